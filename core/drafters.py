@@ -1,0 +1,97 @@
+"""Level-1 drafters behind one interface: a small LM with a StreamingLLM cache, prompt lookup, or none."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from core.config import GenerationConfig
+from core.kvcache import StreamingCache
+from core.levels import Level
+from core.model import Transformer
+from core.sampling import distributions, sample
+
+
+class Drafter(Protocol):
+    """Proposes up to n tokens continuing seq; q [k, V] are the proposal distributions (None: deterministic)."""
+
+    name: str
+
+    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]: ...
+
+
+class NoDrafter:
+    """Two-level TriForce: level 2 samples one token at a time."""
+
+    name = "none"
+
+    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]:
+        return [], None
+
+
+class NgramDrafter:
+    """Prompt lookup: continue the longest recent suffix n-gram found earlier in the document or output."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self.index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (last end, previous end)
+        self.indexed = 0
+
+    def _extend(self, seq: list[int], upto: int) -> None:
+        for end in range(self.indexed + 1, upto + 1):
+            for m in range(1, min(self.max_n, end) + 1):
+                key = tuple(seq[end - m:end])
+                self.index[key] = (end, self.index.get(key, (-1, -1))[0])
+        self.indexed = max(self.indexed, upto)
+
+    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]:
+        self._extend(seq, trusted)
+        for m in range(min(self.max_n, len(seq)), 0, -1):
+            last, previous = self.index.get(tuple(seq[-m:]), (-1, -1))
+            end = last if last != len(seq) else previous
+            if end > 0:
+                return seq[end:end + n], None
+        return [], None
+
+
+class ModelDrafter:
+    """A small LM sharing the target's tokenizer, reading a StreamingLLM cache (sink + recent window)."""
+
+    name = "model"
+
+    def __init__(self, model: Transformer, cfg: GenerationConfig, prompt: list[int], vocab_size: int,
+                 generator: torch.Generator):
+        a = model.args
+        cache = StreamingCache(a.n_layers, a.n_kv_heads, a.head_dim, cfg.sink_tokens, cfg.window_tokens,
+                               cfg.gamma1 + cfg.gamma2 + 8, model.rotary, model.dtype, model.device)
+        self.level = Level(model, cache, [])
+        self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator
+        body = prompt[:-1]
+        sink, window = cfg.sink_tokens, cfg.window_tokens
+        if len(body) <= sink + window:
+            list(self.level.prefill(body, cfg.prefill_chunk))
+        else:
+            list(self.level.prefill(body[:sink], sink))
+            cache.skip(len(body) - sink - window)
+            list(self.level.prefill(body[-window:], window))
+            self.level.tokens = list(body)
+
+    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]:
+        tokens: list[int] = []
+        qs = []
+        for _ in range(n):
+            logits = self.level.logits(seq + tokens, 1, trusted)
+            q = distributions(self._align(logits), self.cfg)[0]
+            tokens.append(sample(q, self.generator))
+            qs.append(q)
+        return tokens, torch.stack(qs)
+
+    def _align(self, logits: torch.Tensor) -> torch.Tensor:
+        """Map draft logits onto the target's vocabulary size (ids past the draft's vocabulary get -inf)."""
+        v = logits.shape[-1]
+        if v >= self.vocab_size:
+            return logits[..., :self.vocab_size]
+        return torch.nn.functional.pad(logits, (0, self.vocab_size - v), value=float("-inf"))

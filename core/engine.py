@@ -1,0 +1,133 @@
+"""The engine: loaded models plus `generate`, which turns a document and an instruction into an event stream."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import transformers
+
+from core.autoregressive import autoregressive
+from core.config import GenerationConfig, TriForceError
+from core.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from core.events import Event, Finished, Loading, PrefillProgress, PromptReady, Stats
+from core.kvcache import KVCache
+from core.levels import Level
+from core.loading import check_tokenizers, default_device, default_dtype, load_model
+from core.model import Transformer
+from core.output import Output
+from core.prompting import build_prompt
+from core.triforce import Tally, triforce
+
+_LOADED: dict[tuple, "Engine"] = {}
+
+
+@dataclass
+class Engine:
+    """A target model (and optionally a level-1 draft model) with their tokenizer, ready to generate."""
+
+    target: Transformer
+    tokenizer: object
+    target_name: str
+    draft: Transformer | None = None
+    draft_name: str | None = None
+    context_length: int = 0
+    info: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, target: str | None = None, draft: str | None = None, device: str | None = None,
+             dtype: str | None = None, context_length: int | None = None, rope_scaling: dict | None = None,
+             progress=None) -> "Engine":
+        """Load (once per process for the same arguments) target and draft; None target = the embedded default."""
+        key = (target, draft, device, dtype, context_length, repr(rope_scaling))
+        if key in _LOADED:
+            return _LOADED[key]
+        dev = torch.device(device) if device else default_device()
+        dt = getattr(torch, dtype) if dtype else default_dtype(dev)
+        if progress:
+            progress(Loading("target", 0.0))
+        model, tok, src = load_model(target, dev, dt, rope_scaling)
+        draft_model, draft_name = None, None
+        if draft:
+            if progress:
+                progress(Loading("draft", 0.5))
+            draft_model, draft_tok, dsrc = load_model(draft, dev, dt)
+            check_tokenizers(tok, src.name, draft_tok, dsrc.name)
+            draft_name = dsrc.name
+        ctx = context_length or model.args.max_position
+        engine = cls(model, tok, src.name, draft_model, draft_name, ctx)
+        engine.info = {
+            "target": src.name, "draft": draft_name, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
+            "context_length": ctx, "target_params": sum(p.numel() for p in model.parameters()),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+        }
+        if progress:
+            progress(Loading("ready", 1.0))
+        _LOADED[key] = engine
+        return engine
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _drafter(self, cfg: GenerationConfig, prompt: list[int], generator: torch.Generator) -> Drafter:
+        name = cfg.drafter or ("model" if self.draft is not None else "ngram")
+        if name == "model":
+            if self.draft is None:
+                raise TriForceError("drafter 'model' needs a draft model; load one or pick 'ngram' or 'none'")
+            return ModelDrafter(self.draft, cfg, prompt, self.target.args.vocab_size, generator)
+        return NgramDrafter(cfg.ngram_max) if name == "ngram" else NoDrafter()
+
+    def generate(self, document: str, instruction: str, config: GenerationConfig | None = None
+                 ) -> Iterator[Event]:
+        """Events of one generation (TriForce or autoregressive, per config.method); bad input raises TriForceError
+        before anything is computed."""
+        cfg = (config or GenerationConfig()).validate()
+        prompt = build_prompt(self.tokenizer, document, instruction, self.context_length, cfg.max_new_tokens,
+                              cfg.overflow)
+        return self._run(prompt, cfg)
+
+    def _run(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
+        ids = prompt.ids
+        cs = cfg.chunk_size
+        yield PromptReady(len(ids), prompt.document_tokens, prompt.dropped_tokens, self.context_length,
+                          cfg.max_new_tokens, cs,
+                          [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)])
+        model = self.target
+        a = model.args
+        full = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, len(ids) + cfg.max_new_tokens + cfg.gamma2 + 2,
+                       model.dtype, model.device)
+        target = Level(model, full, [])
+        generator = torch.Generator(model.device).manual_seed(cfg.seed)
+        t0 = time.perf_counter()
+        full.record_rows = 1
+        with torch.inference_mode():
+            for done in target.prefill(ids[:-1], cfg.prefill_chunk):
+                yield PrefillProgress(done, len(ids) - 1, time.perf_counter() - t0)
+            full.record_rows = 0
+            out = Output(self.tokenizer, cfg, model.eos_ids)
+            tally = Tally()
+            if cfg.method == "ar":
+                loop = autoregressive(target, ids, cfg, generator, out)
+            else:
+                loop = triforce(target, ids, self._drafter(cfg, ids, generator), cfg, generator, out, tally)
+            prefill_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            forwards_before = target.forwards
+            yield from loop
+        decode_s = time.perf_counter() - t1
+        n = len(out.ids)
+        forwards = target.forwards - forwards_before
+        stats = Stats(
+            method=cfg.method, new_tokens=n, prompt_tokens=len(ids), dropped_tokens=prompt.dropped_tokens,
+            prefill_s=prefill_s, decode_s=decode_s, tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
+            time_to_first_token_s=(out.first_token_at or t1) - t0, target_forwards=forwards,
+            tokens_per_target_forward=n / forwards if forwards else 0.0,
+            level1_proposed=tally.level1_proposed, level1_accepted=tally.level1_accepted,
+            level2_proposed=tally.level2_proposed, level2_accepted=tally.level2_accepted,
+            cache_bytes=full.nbytes, retrieval_cache_bytes=tally.retrieval_bytes, stop_reason=out.stop_reason,
+            device=str(model.device), dtype=str(model.dtype).removeprefix("torch."), settings=cfg.to_dict())
+        yield Finished(out.text, out.ids, ids, stats)

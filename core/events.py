@@ -1,0 +1,160 @@
+"""Typed events of one generation: plain Python data only, so a UI process, the CLI and benchmarks share them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+# Where an emitted token came from.
+#   draft   level-1 proposal accepted by level 2 and by level 3
+#   level2  sampled by level 2 (its correction or bonus), accepted by level 3
+#   level3  level-3 correction (after a rejection) or bonus (after full acceptance)
+#   target  plain autoregressive decoding
+Provenance = Literal["draft", "level2", "level3", "target"]
+
+
+@dataclass
+class Event:
+    """Base class: every event serialises to a dict with a `kind` key."""
+
+    def to_dict(self) -> dict:
+        return {"kind": type(self).__name__, **asdict(self)}
+
+
+@dataclass
+class Loading(Event):
+    """Model load progress (0..1)."""
+
+    stage: str
+    fraction: float
+
+
+@dataclass
+class PromptReady(Event):
+    """The prompt is tokenised; says whether the document was truncated and by how much."""
+
+    prompt_tokens: int
+    document_tokens: int
+    dropped_tokens: int
+    context_length: int
+    max_new_tokens: int
+    chunk_size: int
+    chunk_texts: list[str]  # decoded text of each prompt chunk (for hover / highlighting)
+
+
+@dataclass
+class PrefillProgress(Event):
+    """Prefill has processed `done` of `total` prompt tokens."""
+
+    done: int
+    total: int
+    seconds: float
+
+
+@dataclass
+class RetrievalSelection(Event):
+    """Chunks the retrieval cache keeps: chunk_ids[layer][kv_head] is a sorted list of chunk indices."""
+
+    round: int
+    position: int
+    chunk_size: int
+    num_chunks: int
+    prompt_tokens: int
+    budget: int
+    chunk_ids: list[list[list[int]]]
+    seconds: float
+
+
+@dataclass
+class DraftProposal(Event):
+    """Level-1 proposals for one level-2 verification."""
+
+    round: int
+    tokens: list[int]
+
+
+@dataclass
+class Verdict(Event):
+    """One speculative verification at `level` (2 or 3): the first `accepted` proposals were kept;
+    `token` follows them (a correction if accepted < len(proposed), else a bonus)."""
+
+    level: int
+    round: int
+    proposed: list[int]
+    accepted: int
+    token: int
+    bonus: bool
+
+
+@dataclass
+class Tokens(Event):
+    """Tokens appended to the answer, with their decoded text pieces and provenance."""
+
+    ids: list[int]
+    texts: list[str]
+    provenance: list[Provenance]
+    round: int
+
+
+@dataclass
+class StepTiming(Event):
+    """Wall time of one level-3 round, split by level (milliseconds)."""
+
+    round: int
+    level1_ms: float
+    level2_ms: float
+    level3_ms: float
+    selection_ms: float
+    tokens: int
+
+
+@dataclass
+class Stats:
+    """Figures of a finished generation."""
+
+    method: str
+    new_tokens: int
+    prompt_tokens: int
+    dropped_tokens: int
+    prefill_s: float
+    decode_s: float
+    tokens_per_s: float
+    time_to_first_token_s: float
+    target_forwards: int
+    tokens_per_target_forward: float
+    level1_proposed: int = 0
+    level1_accepted: int = 0
+    level2_proposed: int = 0
+    level2_accepted: int = 0
+    cache_bytes: int = 0
+    retrieval_cache_bytes: int = 0
+    stop_reason: str = ""
+    device: str = ""
+    dtype: str = ""
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def level1_acceptance(self) -> float:
+        return self.level1_accepted / self.level1_proposed if self.level1_proposed else 0.0
+
+    @property
+    def level2_acceptance(self) -> float:
+        return self.level2_accepted / self.level2_proposed if self.level2_proposed else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "level1_acceptance": self.level1_acceptance,
+                "level2_acceptance": self.level2_acceptance}
+
+
+@dataclass
+class Finished(Event):
+    """Generation ended; `text` is the whole answer."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: Stats
+
+    def to_dict(self) -> dict:
+        return {"kind": "Finished", "text": self.text, "token_ids": self.token_ids,
+                "prompt_ids": self.prompt_ids, "stats": self.stats.to_dict()}

@@ -1,0 +1,48 @@
+"""A model reading one cache, kept in step with a token sequence that grows and rolls back."""
+
+from __future__ import annotations
+
+import torch
+
+from core.kvcache import KVCache
+from core.model import Transformer
+
+
+def common_prefix(a: list[int], b: list[int], start: int, limit: int) -> int:
+    """Length of the common prefix of a and b, known to be at least `start`, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    i = min(start, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Level:
+    """Feeds a model exactly the tokens its cache lacks, rolling the cache back where the sequence changed."""
+
+    def __init__(self, model: Transformer, cache: KVCache, tokens: list[int]):
+        self.model, self.cache = model, cache
+        self.tokens = list(tokens)  # the sequence the cache holds keys/values for
+        self.forwards = 0
+
+    def logits(self, seq: list[int], n_last: int, trusted: int = 0) -> torch.Tensor:
+        """Float32 logits [n_last, V] predicting the tokens after each of seq's last n_last positions.
+
+        `trusted`: a length up to which seq is known to equal what this level saw before (skips comparing it).
+        """
+        keep = common_prefix(self.tokens, seq, trusted, len(seq) - n_last)
+        self.cache.truncate(keep)
+        ids = torch.tensor(seq[keep:], device=self.model.device)
+        out = self.model(ids, self.cache, n_logits=n_last)
+        del self.tokens[keep:]
+        self.tokens.extend(seq[keep:])
+        self.forwards += 1
+        return out
+
+    def prefill(self, ids: list[int], chunk: int):
+        """Feed ids into the cache in chunks without computing logits; yields the count done after each chunk."""
+        for a in range(0, len(ids), chunk):
+            piece = ids[a:a + chunk]
+            self.model(torch.tensor(piece, device=self.model.device), self.cache, n_logits=0)
+            self.tokens.extend(piece)
+            yield a + len(piece)

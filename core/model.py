@@ -1,0 +1,234 @@
+"""A compact decoder for Llama-family checkpoints (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) with GQA.
+
+Attention is delegated to a cache object (see kvcache.py) that stores the new keys/values and attends over
+whatever part of the context it holds: the full context, a retrieved subset, or a StreamingLLM window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class AttentionCache(Protocol):
+    """What the model needs from a cache: positions for new tokens, and attention over stored + new keys."""
+
+    def begin(self, n: int) -> torch.Tensor: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def end(self) -> None: ...
+
+
+@dataclass
+class ModelArgs:
+    """Shape of a decoder, read from a transformers config."""
+
+    model_type: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_embeddings: bool
+    max_position: int
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> "ModelArgs":
+        model_type = config.model_type
+        if model_type not in SUPPORTED_TYPES:
+            raise ValueError(f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        n_heads = config.num_attention_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            dim=config.hidden_size,
+            n_layers=config.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+            intermediate_size=config.intermediate_size,
+            norm_eps=config.rms_norm_eps,
+            qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position=config.max_position_embeddings,
+        )
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding with every scaling type transformers knows (default, linear, dynamic, yarn, llama3)."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int):
+        super().__init__()
+        self.config = config
+        params = getattr(config, "rope_parameters", None) or {}
+        self.rope_type = params.get("rope_type", "default")
+        self.theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        self.head_dim = head_dim
+        self.original_max = config.max_position_embeddings
+        self.inv_freq, self.scaling = self._init(None)  # a plain float32 tensor: model.to(dtype) must not cast it
+
+    def _init(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
+        if self.rope_type == "default":
+            dims = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device="cpu") / self.head_dim
+            return 1.0 / (self.theta**dims), 1.0
+        return ROPE_INIT_FUNCTIONS[self.rope_type](self.config, torch.device("cpu"), seq_len=seq_len)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [n, head_dim] for integer positions [n]."""
+        inv_freq = self.inv_freq
+        if self.rope_type == "dynamic":
+            seq_len = int(positions.max()) + 1
+            if seq_len > self.original_max:
+                inv_freq = self._init(seq_len)[0]
+        if inv_freq.device != positions.device:
+            inv_freq = inv_freq.to(positions.device)
+            if self.rope_type != "dynamic":
+                self.inv_freq = inv_freq
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to x [..., n, head_dim] with cos/sin [n, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; the cache does the attending."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        hd = args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(hd, args.norm_eps)
+            self.k_norm = RMSNorm(hd, args.norm_eps)
+
+    def forward(self, x, cos, sin, cache: AttentionCache, layer: int) -> torch.Tensor:
+        n = x.shape[0]
+        a = self.args
+        q = self.q_proj(x).view(n, a.n_heads, a.head_dim)
+        k = self.k_proj(x).view(n, a.n_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(n, a.n_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, head_dim]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = cache.attend(layer, q, k, v)  # [n_heads, n, head_dim]
+        return self.o_proj(out.transpose(0, 1).reshape(n, a.n_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, cache: AttentionCache, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM; parameter names follow transformers' (without the `model.` prefix)."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config
+        self.args = args = ModelArgs.from_config(config)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(config, args.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(self, ids: torch.Tensor, cache: AttentionCache, n_logits: int | None = None) -> torch.Tensor:
+        """Run tokens ids [n] through the model with `cache`; return float32 logits of the last n_logits positions
+        (all when None, none when 0)."""
+        positions = cache.begin(ids.shape[0])
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        x = self.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i)
+        cache.end()
+        if n_logits == 0:
+            return x.new_empty(0, self.args.vocab_size, dtype=torch.float32)
+        if n_logits is not None:
+            x = x[-n_logits:]
+        return self.lm_head(self.norm(x)).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take weights from a transformers *ForCausalLM state dict (tensors are shared, not copied)."""
+        own = {k.removeprefix("model."): v for k, v in state.items()}
+        if self.args.tie_embeddings:
+            own.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
+        missing = [m for m in missing if not (m == "lm_head.weight" and self.args.tie_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight

@@ -1,0 +1,70 @@
+"""Retrieval cache selection: chunk-mean keys, per layer and KV head top-k chunks by query . mean key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.kvcache import KVCache
+
+
+@dataclass
+class ChunkIndex:
+    """Mean post-RoPE key of each full chunk of the first `length` cached tokens; the partial tail is always kept."""
+
+    mean_keys: torch.Tensor  # [layers, kv_heads, chunks, head_dim], float32
+    chunk_size: int
+    length: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.mean_keys.shape[2]
+
+    @property
+    def tail(self) -> int:
+        return self.length - self.num_chunks * self.chunk_size
+
+    @classmethod
+    def build(cls, full: KVCache, length: int, chunk_size: int) -> "ChunkIndex":
+        n = length // chunk_size
+        keys = full.k[:, :, :n * chunk_size].float()
+        mean = keys.view(keys.shape[0], keys.shape[1], n, chunk_size, keys.shape[-1]).mean(3)
+        return cls(mean, chunk_size, length)
+
+
+def chunks_to_keep(index: ChunkIndex, budget: int) -> int:
+    """How many chunks a budget buys (all of them when the budget covers the prompt)."""
+    return min(budget // index.chunk_size, index.num_chunks)
+
+
+def select_chunks(index: ChunkIndex, queries: torch.Tensor, n_select: int) -> torch.Tensor:
+    """Sorted chunk ids [layers, kv_heads, n_select] with the highest query . mean-key scores; chunk 0 always.
+
+    queries: [layers, kv_heads, head_dim], the query heads of each GQA group summed (the sum of the group's scores).
+    """
+    scores = torch.einsum("lhd,lhcd->lhc", queries.float(), index.mean_keys)
+    if index.num_chunks:
+        scores[:, :, 0] = float("inf")  # the attention sink
+    return scores.topk(n_select, dim=-1).indices.sort(dim=-1).values
+
+
+def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, into: KVCache) -> None:
+    """Fill into's head slots with the selected chunks' keys/values, followed by the partial tail chunk."""
+    cs = index.chunk_size
+    offsets = torch.arange(cs, device=chunk_ids.device)
+    tokens = (chunk_ids[..., None] * cs + offsets).flatten(2)  # [layers, kv_heads, n_select * cs]
+    n = tokens.shape[-1]
+    idx = tokens[..., None].expand(-1, -1, -1, full.k.shape[-1])
+    torch.gather(full.k[:, :, :index.length], 2, idx, out=into.k[:, :, :n])
+    torch.gather(full.v[:, :, :index.length], 2, idx, out=into.v[:, :, :n])
+    tail = slice(index.length - index.tail, index.length)
+    into.k[:, :, n:n + index.tail] = full.k[:, :, tail]
+    into.v[:, :, n:n + index.tail] = full.v[:, :, tail]
+
+
+def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int) -> KVCache:
+    """An empty retrieval cache sized for `budget` prompt tokens (+ tail) and `extra` later tokens."""
+    head = chunks_to_keep(index, budget) * index.chunk_size + index.tail
+    n_layers, n_kv, _, d = full.k.shape
+    return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.k.device, head=head, start=index.length)

@@ -1,0 +1,58 @@
+"""Token distributions and exact speculative sampling."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from core.config import GenerationConfig
+
+
+def distributions(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
+    """Probabilities [n, V] after temperature, top-k and top-p; one-hot on the argmax when greedy."""
+    if cfg.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits.float() / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+        sorted_p = sorted_p.masked_fill(before >= cfg.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalise(max(p - q, 0)): where a rejected draft's probability mass goes."""
+    r = (p - q).clamp_min(0)
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+def speculative_verify(draft: list[int], q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator,
+                       residual: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = residual_distribution,
+                       ) -> tuple[int, int]:
+    """Verify draft tokens proposed from q [k, V] (None: deterministic proposals) against p [k + 1, V].
+
+    Returns (accepted count, next token): a sample from the residual after the first rejection, else a bonus
+    token from p's last row. The accepted tokens followed by the next token are distributed exactly as p.
+    """
+    for i, x in enumerate(draft):
+        px = float(p[i, x])
+        qx = float(q[i, x]) if q is not None else 1.0
+        if px >= qx or float(torch.rand((), generator=generator, device=p.device)) * qx < px:
+            continue
+        qi = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(x, device=p.device),
+                                                                     p.shape[-1]).float()
+        return i, sample(residual(p[i], qi), generator)
+    return len(draft), sample(p[len(draft)], generator)
