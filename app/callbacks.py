@@ -1,0 +1,235 @@
+"""Event handlers wired by the layout: documents in, throttled generation streams out, errors as gr.Error."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+
+import gradio as gr
+
+from core import GenerationConfig, TriForceError
+
+from app.documents import DocumentError, load_samples, read_document
+from app.figures import HEATMAP_MODES, compare_bars, empty_figure, selection_heatmap
+from app.explainer import engine_table
+from app.inference import ModelLoadError, counting_engine, load_engine, loaded_infos, preset_engine, stream_events
+from app.presets import Preset, preset_by_name
+from app.settings import build_config
+from app.state import RunState, apply_event, live_stats
+from app.views import answer_pieces, document_view, stats_for, stats_markdown, status_markdown
+
+PLOT_INTERVAL_S = 0.25  # heatmap and document view: at most 4 updates per second
+TEXT_INTERVAL_S = 0.05  # answer, stats and status: at most 20 updates per second
+GENERIC_INSTRUCTIONS = ("Summarise the document in a few sentences.", "Continue the text.")
+
+
+class Throttle:
+    """Lets an update through at most once per `interval` seconds, unless forced."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last = -math.inf
+
+    def due(self, now: float, force: bool = False) -> bool:
+        """Whether to update now; records the update when it says yes."""
+        if force or now - self.last >= self.interval:
+            self.last = now
+            return True
+        return False
+
+
+def choose_sample(title: str | None) -> tuple[str, gr.Dataset, str]:
+    """Load a bundled sample: its text, its example instructions, and the first of them."""
+    sample = next((s for s in load_samples() if s.title == title), None)
+    if sample is None:
+        raise gr.Error(f"Unknown sample {title!r}.")
+    instructions = list(sample.instructions) or list(GENERIC_INSTRUCTIONS)
+    return sample.read(), gr.Dataset(samples=[[i] for i in instructions]), instructions[0]
+
+
+def upload_document(path: str | None) -> str:
+    """Text of an uploaded file; unusable files raise a visible gr.Error."""
+    if not path:
+        return gr.skip()
+    try:
+        return read_document(path)
+    except DocumentError as err:
+        raise gr.Error(str(err), title="Cannot use this file") from None
+
+
+def pick_instruction(sample: list[str] | str) -> str:
+    """The clicked example instruction."""
+    return sample[0] if isinstance(sample, list) else sample
+
+
+def preset_budget(preset_name: str) -> int:
+    """The retrieval budget that suits the chosen preset."""
+    return preset_by_name(preset_name).budget
+
+
+def describe_document(document: str, preset_name: str, budget: float | None) -> str:
+    """Token count of the document against the model's context and the retrieval budget."""
+    if not document or not document.strip():
+        return "No document yet: pick a sample, upload a file or paste text."
+    try:
+        engine, exact = counting_engine(preset_by_name(preset_name))
+    except (ModelLoadError, ValueError) as err:
+        return f"⚠️ {err}"
+    tokens, context = engine.count_tokens(document), engine.context_length
+    approx = "" if exact else " (approximate: counted with the embedded tokenizer until this preset is loaded)"
+    fit = "fits the context" if tokens < context else f"**longer than the context by {tokens - context:,} tokens**"
+    line = f"**Document:** {tokens:,} tokens{approx} · model context {context:,} → {fit}"
+    if budget:
+        line += f" · budget {int(budget):,} tokens = {100 * budget / max(tokens, 1):.1f} % of the document"
+    return line
+
+
+def _settings(method: str, values: dict) -> GenerationConfig:
+    """A validated config or a visible gr.Error explaining the bad setting."""
+    try:
+        return build_config(method=method, **values)
+    except TriForceError as err:
+        raise gr.Error(str(err), title="Invalid settings") from None
+
+
+def _prepare(document: str, instruction: str, preset_name: str) -> Preset:
+    """Check the inputs and load the preset's models; problems raise gr.Error."""
+    if not document or not document.strip():
+        raise gr.Error("The document is empty: pick a sample, upload a file or paste text.", title="No document")
+    try:
+        preset = preset_by_name(preset_name)
+        preset_engine(preset)
+    except (ModelLoadError, ValueError) as err:
+        raise gr.Error(str(err), title="Model not available") from None
+    return preset
+
+
+def _stream(preset: Preset, document: str, instruction: str, config: GenerationConfig, state: RunState,
+            progress: gr.Progress) -> Iterator[str]:
+    """Fold the engine's events into `state`; yield each event's kind. Engine errors become gr.Error."""
+    try:
+        for event in stream_events(preset, document, instruction or "", config):
+            apply_event(state, event)
+            kind = event["kind"]
+            if kind == "Loading":
+                progress(event["fraction"], desc=f"Loading {event['stage']}")
+            elif kind == "PrefillProgress":
+                progress(event["done"] / max(event["total"], 1), desc="Prefill", total=event["total"], unit="tokens")
+            elif kind == "PromptReady" and event["dropped_tokens"]:
+                gr.Warning(f"The document is longer than the context ({event['context_length']:,} tokens): "
+                           f"{event['dropped_tokens']:,} tokens were dropped.")
+            yield kind
+    except (TriForceError, ModelLoadError) as err:
+        raise gr.Error(str(err), title="Cannot generate") from None
+    except (RuntimeError, OSError, MemoryError) as err:  # engine failures must not take the app down
+        raise gr.Error(f"Generation failed: {type(err).__name__}: {err}", title="Generation failed") from None
+
+
+def run_triforce(document: str, instruction: str, preset_name: str, max_new_tokens: float, budget: float,
+                 chunk_size: float, gamma1: float, gamma2: float, drafter: str, reselect: str, reselect_every: float,
+                 temperature: float, top_p: float, seed: float, greedy: bool, overflow: str,
+                 heatmap_mode: str = HEATMAP_MODES[0], progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:
+    """Stream one TriForce generation: status, coloured answer, heatmap, document view, stats, state."""
+    settings = dict(max_new_tokens=max_new_tokens, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
+                    drafter=drafter, reselect=reselect, reselect_every=reselect_every, temperature=temperature,
+                    top_p=top_p, seed=seed, greedy=greedy, overflow=overflow)
+    config = _settings("triforce", settings)
+    progress(0, desc="Loading model")
+    chosen = _prepare(document, instruction, preset_name)
+    state = RunState(method="triforce")
+    text_gate, plot_gate = Throttle(TEXT_INTERVAL_S), Throttle(PLOT_INTERVAL_S)
+    yield ("⏳ Starting…", [], empty_figure("The retrieval heatmap appears after prefill."), [], "", {}, state)
+    for kind in _stream(chosen, document, instruction, config, state, progress):
+        now = time.monotonic()
+        force = kind in ("PromptReady", "Finished") or (kind == "RetrievalSelection" and len(state.selection_rounds) == 1)
+        if not text_gate.due(now, force):
+            continue
+        stats_md, stats = stats_for(state)
+        if plot_gate.due(now, force):
+            figure, doc = selection_heatmap(state, heatmap_mode), document_view(state)
+        else:
+            figure, doc = gr.skip(), gr.skip()
+        yield (status_markdown(state), answer_pieces(state), figure, doc, stats_md, stats, state)
+    if not state.finished:  # the stream ended without Finished: show the last state in full
+        stats_md, stats = stats_for(state)
+        yield (status_markdown(state), answer_pieces(state), selection_heatmap(state, heatmap_mode),
+               document_view(state), stats_md, stats, state)
+
+
+def redraw_heatmap(state: RunState | None, mode: str) -> object:
+    """The heatmap of the last run in the chosen mode."""
+    if not isinstance(state, RunState):
+        return empty_figure("Run TriForce to see which chunks the retrieval cache keeps.")
+    return selection_heatmap(state, mode)
+
+
+def stopped() -> str:
+    """Status after the Stop button."""
+    return "⏹️ Stopped. Change anything you like and run again."
+
+
+def comparison_summary(ar: RunState, tf: RunState, greedy: bool) -> tuple[str, dict]:
+    """Speedup and (with greedy decoding) the token-identity check, as Markdown and as a dict."""
+    ar_stats, tf_stats = live_stats(ar), live_stats(tf)
+    speedup = (tf_stats["tokens_per_s"] / ar_stats["tokens_per_s"]
+               if ar_stats.get("tokens_per_s") and tf_stats.get("tokens_per_s") else None)
+    identical, first_difference = None, None
+    lines = [f"### Speedup (decode tokens/s): {speedup:.2f}×" if speedup else "### Speedup: –"]
+    if greedy and ar.finished and tf.finished:
+        identical = ar.token_ids == tf.token_ids
+        first_difference = next((i for i, (a, b) in enumerate(zip(ar.token_ids, tf.token_ids)) if a != b),
+                                None if identical else min(len(ar.token_ids), len(tf.token_ids)))
+        lines.append(f"✅ **Token-identical**: both produced the same {len(tf.token_ids)} tokens (greedy)." if identical
+                     else f"❌ **Outputs differ** from token {first_difference} on (greedy decoding should match).")
+    elif not greedy:
+        lines.append("Sampling is on: outputs may differ token by token (both follow the target's distribution). "
+                     "Tick *greedy* for a token-identity check.")
+    summary = {"ar": ar_stats, "triforce": tf_stats, "speedup": speedup, "greedy": greedy, "identical": identical,
+               "first_difference": first_difference}
+    return "\n\n".join(lines), summary
+
+
+def run_compare(document: str, instruction: str, preset_name: str, max_new_tokens: float, budget: float,
+                chunk_size: float, gamma1: float, gamma2: float, drafter: str, reselect: str, reselect_every: float,
+                temperature: float, top_p: float, seed: float, greedy: bool, overflow: str,
+                progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:
+    """Autoregressive then TriForce on the same input and seed, streamed side by side."""
+    settings = dict(max_new_tokens=max_new_tokens, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
+                    drafter=drafter, reselect=reselect, reselect_every=reselect_every, temperature=temperature,
+                    top_p=top_p, seed=seed, greedy=greedy, overflow=overflow)
+    configs = {"ar": _settings("ar", settings), "triforce": _settings("triforce", settings)}
+    progress(0, desc="Loading model")
+    chosen = _prepare(document, instruction, preset_name)
+    runs = {"ar": RunState(method="ar"), "triforce": RunState(method="triforce")}
+    gate = Throttle(TEXT_INTERVAL_S)
+    is_greedy = configs["ar"].is_greedy
+
+    def frame(note: str, with_plot: bool = True) -> tuple:
+        """All Compare outputs for the current progress; the chart and verdict only when `with_plot`."""
+        ar_stats, tf_stats = live_stats(runs["ar"]), live_stats(runs["triforce"])
+        head = (note, answer_pieces(runs["ar"]), answer_pieces(runs["triforce"]), stats_markdown(ar_stats),
+                stats_markdown(tf_stats))
+        if not with_plot:
+            return head + (gr.skip(), gr.skip(), gr.skip())
+        verdict, summary = comparison_summary(runs["ar"], runs["triforce"], is_greedy)
+        return head + (compare_bars(ar_stats, tf_stats), verdict, summary)
+
+    yield frame("⏳ Starting…")
+    plot_gate = Throttle(PLOT_INTERVAL_S)
+    for method, label in (("ar", "Autoregressive"), ("triforce", "TriForce")):
+        for kind in _stream(chosen, document, instruction, configs[method], runs[method], progress):
+            now = time.monotonic()
+            if gate.due(now, kind == "Finished"):
+                yield frame(f"{label}: {status_markdown(runs[method])}", plot_gate.due(now, kind == "Finished"))
+    yield frame("✅ Both runs finished.")
+
+
+def describe_engines() -> str:
+    """Models, device, dtype and versions of the loaded engines (loads the embedded one if none is)."""
+    if not loaded_infos():
+        try:
+            load_engine(None, None)
+        except ModelLoadError as err:
+            return f"⚠️ {err}"
+    return engine_table(loaded_infos())

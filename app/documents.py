@@ -1,0 +1,138 @@
+"""Reading documents: bundled samples (assets/docs/samples.json) and uploads (.txt, .md, .html, .pdf)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+
+SAMPLES_DIR = Path(__file__).resolve().parent.parent / "assets" / "docs"
+MAX_UPLOAD_BYTES = 10 * 1024 * 1024
+MAX_DOCUMENT_CHARS = 2_000_000
+TEXT_SUFFIXES = (".txt", ".md", ".markdown")
+HTML_SUFFIXES = (".html", ".htm")
+SUPPORTED_SUFFIXES = TEXT_SUFFIXES + HTML_SUFFIXES + (".pdf",)
+
+
+class DocumentError(ValueError):
+    """An upload that cannot be used as a document; the message says why."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A bundled sample document and its suggested instructions."""
+
+    title: str
+    path: Path
+    kind: str = ""
+    instructions: tuple[str, ...] = field(default_factory=tuple)
+
+    def read(self) -> str:
+        """The sample's text."""
+        return self.path.read_text(encoding="utf-8")
+
+
+def load_samples(samples_dir: Path = SAMPLES_DIR) -> list[Sample]:
+    """Samples listed in samples.json whose files exist; [] when the list is missing or unreadable."""
+    try:
+        raw = json.loads((samples_dir / "samples.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    entries = raw.get("samples", []) if isinstance(raw, dict) else raw
+    samples = []
+    for entry in entries:
+        if not isinstance(entry, dict) or "file" not in entry:
+            continue
+        path = samples_dir / entry["file"]
+        if path.is_file():
+            samples.append(Sample(title=str(entry.get("title") or entry["file"]), path=path,
+                                  kind=str(entry.get("kind", "")),
+                                  instructions=tuple(str(i) for i in entry.get("instructions", []))))
+    return samples
+
+
+class _TextExtractor(HTMLParser):
+    """Collects visible text of an HTML page, one line per block element."""
+
+    BLOCKS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "section", "article", "pre",
+              "blockquote", "title"}
+    HIDDEN = {"script", "style", "noscript", "template", "head"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.hidden_depth = 0
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag in self.HIDDEN:
+            self.hidden_depth += 1
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.HIDDEN:
+            self.hidden_depth = max(0, self.hidden_depth - 1)
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data: str) -> None:
+        if not self.hidden_depth:
+            self.parts.append(data)
+
+
+def html_to_text(html: str) -> str:
+    """Visible text of an HTML document with collapsed blank lines."""
+    parser = _TextExtractor()
+    parser.feed(html)
+    parser.close()
+    lines = (re.sub(r"[ \t\r\f\v]+", " ", line).strip() for line in "".join(parser.parts).split("\n"))
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def decode_text(data: bytes) -> str:
+    """UTF-8 text of `data`; binary or non-UTF-8 bytes raise DocumentError."""
+    if b"\x00" in data[:8192]:
+        raise DocumentError("This file looks binary (it contains NUL bytes), not text. "
+                            "Upload a .txt, .md, .html or .pdf document.")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise DocumentError(f"This file is not valid UTF-8 text (byte {err.start}). "
+                            "Save it as UTF-8 and upload it again.") from None
+
+
+def pdf_to_text(path: Path) -> str:
+    """Text of every page of a PDF, pages separated by blank lines."""
+    from pypdf import PdfReader
+    from pypdf.errors import PdfReadError
+
+    try:
+        reader = PdfReader(str(path))
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except (PdfReadError, ValueError, KeyError, TypeError) as err:
+        raise DocumentError(f"Could not read this PDF: {err}") from None
+    return "\n\n".join(p.strip() for p in pages if p.strip())
+
+
+def read_document(path: str | Path) -> str:
+    """Text of an uploaded file, or DocumentError saying why it cannot be used."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED_SUFFIXES:
+        raise DocumentError(f"Unsupported file type {suffix or '(none)'!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}.")
+    size = path.stat().st_size
+    if size > MAX_UPLOAD_BYTES:
+        raise DocumentError(f"The file is {size / 2**20:.1f} MiB; the limit is {MAX_UPLOAD_BYTES / 2**20:.0f} MiB.")
+    if suffix == ".pdf":
+        text = pdf_to_text(path)
+    else:
+        text = decode_text(path.read_bytes())
+        if suffix in HTML_SUFFIXES:
+            text = html_to_text(text)
+    if not text.strip():
+        raise DocumentError("The file contains no text (a scanned PDF needs OCR first).")
+    if len(text) > MAX_DOCUMENT_CHARS:
+        raise DocumentError(f"The document has {len(text):,} characters; the limit is {MAX_DOCUMENT_CHARS:,}.")
+    return text

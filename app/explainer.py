@@ -1,0 +1,59 @@
+"""Text of the "How it works" tab and the table of loaded models, devices and versions."""
+
+from __future__ import annotations
+
+import platform
+
+import gradio as gr
+
+from app.views import PROVENANCE_LABELS
+
+EXPLANATION = f"""
+## TriForce in three levels
+At long context the **KV cache**, not the weights, dominates the memory traffic of each decoding step. Attention is
+sparse, and the set of useful cache entries changes slowly, so the target model reading only a small, well-chosen
+part of its own cache is a cheap and very accurate draft. TriForce stacks three models
+([Sun et al., 2024, arXiv 2404.11912](https://arxiv.org/abs/2404.11912)):
+
+1. **Level 1: tiny drafter.** A small model (or an n-gram lookup in the prompt) with a StreamingLLM cache
+   (attention-sink tokens plus a recent window) proposes γ1 tokens at a time.
+2. **Level 2: target + retrieval cache.** The target model attends only to a *budget* of cache entries: the prompt
+   is cut into chunks, each chunk is summarised by its mean key, and per layer and KV head the chunks whose mean
+   key best matches the current query are kept (chunk 0, the attention sink, always). It verifies level-1 tokens
+   by speculative sampling until it has γ2 tokens.
+3. **Level 3: target + full cache.** One forward pass over the γ2 tokens verifies them against the full cache; the
+   accepted tokens are emitted plus one correction (after a rejection) or bonus token.
+
+Speculative sampling accepts a draft token x with probability min(1, p(x)/q(x)) and otherwise samples from the
+residual max(p − q, 0), so the output follows the target's distribution exactly; with greedy decoding it is
+token-identical to plain autoregressive decoding (the *Compare* tab checks this).
+
+## What the visuals show
+- **Answer:** each token coloured by where it came from: *{PROVENANCE_LABELS['draft']}* (proposed by level 1 and
+  kept by both checks), *{PROVENANCE_LABELS['level2']}* (sampled by level 2, kept by level 3) and
+  *{PROVENANCE_LABELS['level3']}*. The more green, the fewer expensive full-cache passes per token.
+- **Retrieval heatmap:** x is the position in the document (chunks, grouped into at most 1,024 columns, each column
+  showing its most-kept chunk), y is the decoding step (the selection in force at each level-3 round) or, in the
+  layer view, the layer of the latest selection. Colour counts how many (layer, KV head) pairs keep the chunk;
+  hover for the token range and a snippet of the text.
+- **Selected spans:** the most-kept chunks of the latest selection, in document order, with the skipped stretches
+  summarised.
+- **Stats:** decode tokens/s, time to first token (includes prefill), prefill time, acceptance at level 2 (of
+  level-1 drafts) and level 3 (of level-2 tokens), mean tokens per full-cache forward, budget as a share of the prompt,
+  and the memory of the full and the retrieval KV cache.
+"""
+
+
+def engine_table(infos: list[dict]) -> str:
+    """Markdown table of every loaded engine's models, device, dtype, context and library versions."""
+    if not infos:
+        return "No model loaded yet: run a generation first."
+    blocks = []
+    for info in infos:
+        rows = [("target", info.get("target")), ("draft", info.get("draft") or "none"),
+                ("device", info.get("device")), ("dtype", info.get("dtype")),
+                ("context length", f"{info.get('context_length', 0):,}")]
+        rows += [(name, version) for name, version in (info.get("versions") or {}).items()]
+        blocks.append("| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows))
+    blocks.append(f"Gradio {gr.__version__} · Python {platform.python_version()}")
+    return "\n\n".join(blocks)

@@ -1,0 +1,106 @@
+"""Plotly figures: the retrieval heatmap (chunk × step or chunk × layer) and the Compare bar chart."""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from app.state import RunState, bin_max, compact_dtype
+
+MAX_ROWS = 256
+HEATMAP_MODES = ("chunk × decoding step", "chunk × layer (current selection)")
+SNIPPET_CHARS = 60
+
+
+def _layout(fig: go.Figure, title: str, height: int = 360) -> go.Figure:
+    """Shared compact look."""
+    fig.update_layout(title={"text": title, "font": {"size": 14}}, template="plotly_white", height=height,
+                      margin={"l": 60, "r": 20, "t": 40, "b": 40})
+    return fig
+
+
+def empty_figure(message: str) -> go.Figure:
+    """A blank figure carrying a centred message."""
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, "")
+
+
+def column_labels(state: RunState) -> list[str]:
+    """Hover label of each heatmap column: chunk range, token range and a text snippet (unique per column)."""
+    edges, cs = state.edges, max(state.chunk_size, 1)
+    labels = []
+    for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
+        first, last = a * cs, min(b * cs, state.prompt_tokens or b * cs) - 1
+        snippet = " ".join("".join(state.chunk_texts[a:min(b, a + 16)]).split())[:SNIPPET_CHARS]
+        chunks = f"chunk {a}" if b - a == 1 else f"chunks {a}–{b - 1}"
+        labels.append(f"{chunks} · tokens {first}–{last} · “{snippet}”")
+    return labels
+
+
+def pick_rows(n: int, max_rows: int = MAX_ROWS) -> np.ndarray:
+    """Indices of at most max_rows evenly spaced rows out of n, always including the last one."""
+    if n <= max_rows:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, max_rows).round().astype(np.int64))
+
+
+def _heatmap(z: np.ndarray, labels: list[str], y: list, y_title: str, zmax: int, title: str,
+             hover_what: str) -> go.Figure:
+    """A chunk heatmap with token-position ticks on x."""
+    fig = go.Figure(go.Heatmap(
+        z=z, x=labels, y=y, zmin=0, zmax=max(zmax, 1), colorscale="Viridis",
+        colorbar={"title": {"text": hover_what, "side": "right"}, "thickness": 12},
+        hovertemplate="%{x}<br>" + y_title + " %{y}<br>" + hover_what + ": %{z}<extra></extra>"))
+    step = max(1, len(labels) // 8)
+    fig.update_xaxes(type="category", tickmode="array", tickvals=labels[::step],
+                     ticktext=[lab.split(" · ")[1].split("–")[0].replace("tokens ", "tok ") for lab in labels[::step]],
+                     title="document position")
+    fig.update_yaxes(title=y_title, type="category", autorange="reversed" if y_title == "layer" else True)
+    return _layout(fig, title)
+
+
+def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figure:
+    """Which prompt chunks the retrieval cache keeps, per decoding step or per layer of the latest selection."""
+    if state.layer_counts is None or state.edges is None:
+        message = ("Autoregressive decoding reads the full cache: no retrieval to show." if state.method == "ar"
+                   else "The retrieval heatmap appears after prefill.")
+        return empty_figure(message)
+    labels = column_labels(state)
+    if mode == HEATMAP_MODES[1]:
+        z = bin_max(state.layer_counts, state.edges)
+        title = f"Selection of round {state.selection_rounds[-1]}: KV heads keeping each chunk, per layer"
+        return _heatmap(z, labels, list(range(z.shape[0])), "layer", state.heads_per_layer, title, "KV heads")
+    if state.step_selection:
+        rows = pick_rows(len(state.step_selection))
+        z = np.stack([state.selection_columns[max(state.step_selection[i], 0)] for i in rows])
+        y = [state.step_rounds[i] for i in rows]
+    else:
+        z, y = state.selection_columns[-1][None, :], [state.selection_rounds[-1]]
+    z = z.astype(compact_dtype(state.max_count), copy=False)
+    title = (f"Retrieval cache: {state.num_chunks} chunks of {state.chunk_size} tokens, budget {state.budget} tokens, "
+             f"{len(state.selection_rounds)} selection(s)")
+    return _heatmap(z, labels, y, "decoding step", state.max_count, title, "layer×heads")
+
+
+def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
+    """Bars of tokens/s, ms per token and time to first token for autoregressive vs TriForce."""
+    metrics = (("tokens/s", "tokens_per_s", 1.0), ("ms per token", "tokens_per_s", None),
+               ("time to first token (s)", "time_to_first_token_s", 1.0))
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[m[0] for m in metrics])
+    for name, stats, colour in (("autoregressive", ar, "#9ca3af"), ("TriForce", tf, "#2563eb")):
+        values = []
+        for _, key, scale in metrics:
+            raw = (stats or {}).get(key)
+            if raw is None or raw == 0:
+                values.append(None)
+            else:
+                values.append(raw * scale if scale is not None else 1000.0 / raw)
+        for col, value in enumerate(values, start=1):
+            fig.add_trace(go.Bar(x=[name], y=[value], name=name, marker_color=colour, showlegend=col == 1,
+                                 text=[f"{value:.3g}" if value is not None else ""], textposition="auto"),
+                          row=1, col=col)
+    return _layout(fig, "Autoregressive vs TriForce (same input, seed and device)", height=320)

@@ -1,0 +1,79 @@
+"""The one place that talks to the engine: cached model loading and the (ZeroGPU-aware) event stream."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+try:  # ZeroGPU: the `spaces` package must be imported before torch; off a Space its decorator does nothing.
+    import spaces
+
+    gpu = spaces.GPU(duration=240)
+except ImportError:
+    def gpu(fn):  # type: ignore[no-redef]
+        """No-op stand-in for spaces.GPU off Hugging Face Spaces."""
+        return fn
+
+from core import Engine, GenerationConfig
+
+from app.presets import Preset
+
+_STEP_LOCK = threading.Lock()  # one engine step at a time, even while a cancelled run's last step finishes
+_loaded: dict[tuple[str | None, str | None], dict] = {}
+
+
+class ModelLoadError(RuntimeError):
+    """A preset's models could not be loaded; the message says which and why."""
+
+
+def load_engine(target: str | None, draft: str | None) -> Engine:
+    """The engine for a target/draft pair (Engine.load caches per process); failures raise ModelLoadError."""
+    try:
+        engine = Engine.load() if target is None else Engine.load(target=target, draft=draft)
+    except Exception as err:  # any loader failure (missing weights, no network, out of memory) must not kill the app
+        name = target or "the embedded model"
+        raise ModelLoadError(f"Could not load {name}{f' + {draft}' if draft else ''}: {err}. "
+                             "The embedded SmolLM2 preset works offline on CPU.") from err
+    _loaded[(target, draft)] = dict(engine.info)
+    return engine
+
+
+def preset_engine(preset: Preset) -> Engine:
+    """The engine of a preset."""
+    return load_engine(preset.target, preset.draft)
+
+
+def counting_engine(preset: Preset) -> tuple[Engine, bool]:
+    """The preset's engine if already loaded (exact counts), else the embedded one (approximate counts)."""
+    if (preset.target, preset.draft) in _loaded:
+        return preset_engine(preset), True
+    return load_engine(None, None), preset.target is None
+
+
+def loaded_infos() -> list[dict]:
+    """engine.info of every engine loaded in this process, oldest first."""
+    return list(_loaded.values())
+
+
+@gpu
+def _event_dicts(target: str | None, draft: str | None, document: str, instruction: str,
+                 config: dict) -> Iterator[dict]:
+    """Generation events as plain dicts (safe to pickle out of a ZeroGPU worker)."""
+    engine = load_engine(target, draft)
+    for event in engine.generate(document, instruction, GenerationConfig(**config)):
+        yield event.to_dict()
+
+
+def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig) -> Iterator[dict]:
+    """Event dicts of one generation, stepping the engine under a process-wide lock."""
+    events = _event_dicts(preset.target, preset.draft, document, instruction, config.to_dict())
+    try:
+        while True:
+            with _STEP_LOCK:
+                event = next(events, None)
+            if event is None:
+                return
+            yield event
+    finally:
+        events.close()
+

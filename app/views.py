@@ -1,0 +1,110 @@
+"""Pure renderers from RunState to component values: coloured answer, compact document view, stats, status."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from app.state import RunState, live_stats
+
+PROVENANCE_LABELS = {
+    "draft": "level-1 draft, accepted",
+    "level2": "level-2 correction/bonus",
+    "level3": "level-3 correction/bonus",
+    "target": "autoregressive (target)",
+}
+PROVENANCE_COLORS = {
+    PROVENANCE_LABELS["draft"]: "#22c55e",
+    PROVENANCE_LABELS["level2"]: "#f59e0b",
+    PROVENANCE_LABELS["level3"]: "#ef4444",
+    PROVENANCE_LABELS["target"]: "#94a3b8",
+}
+SPAN_LABELS = {"sink": "attention sink", "hot": "kept by ≥ half of layer×heads", "warm": "kept by some heads"}
+SPAN_COLORS = {SPAN_LABELS["sink"]: "#a78bfa", SPAN_LABELS["hot"]: "#f97316", SPAN_LABELS["warm"]: "#fde68a"}
+DOC_VIEW_CHUNKS = 40
+
+
+def answer_pieces(state: RunState) -> list[tuple[str, str | None]]:
+    """The answer so far as (text, provenance label) pairs for gr.HighlightedText."""
+    return [(text, PROVENANCE_LABELS.get(prov, prov)) for text, prov in state.pieces]
+
+
+def selected_chunks(totals: np.ndarray, limit: int = DOC_VIEW_CHUNKS) -> list[int]:
+    """Chunk 0 (if kept) plus the `limit` most-kept chunks, in document order."""
+    kept = np.flatnonzero(totals > 0)
+    if len(kept) == 0:
+        return []
+    order = kept[np.argsort(-totals[kept], kind="stable")][:limit]
+    chosen = set(order.tolist()) | ({0} if totals[0] > 0 else set())
+    return sorted(chosen)
+
+
+def document_view(state: RunState, limit: int = DOC_VIEW_CHUNKS) -> list[tuple[str, str | None]]:
+    """A compact view of the document: the most-kept chunks highlighted, skipped stretches summarised."""
+    if state.layer_counts is None or not state.chunk_texts:
+        return []
+    totals = state.totals
+    half = max(state.max_count // 2, 1)
+    out: list[tuple[str, str | None]] = []
+    previous = -1
+    for idx in selected_chunks(totals, limit):
+        if idx > previous + 1:
+            skipped = (idx - previous - 1) * state.chunk_size
+            out.append((f" … [{skipped} tokens] … ", None))
+        label = SPAN_LABELS["sink"] if idx == 0 else SPAN_LABELS["hot" if totals[idx] >= half else "warm"]
+        out.append((state.chunk_texts[idx], label))
+        previous = idx
+    if previous < len(state.chunk_texts) - 1:
+        out.append((f" … [{(len(state.chunk_texts) - previous - 1) * state.chunk_size} tokens] …", None))
+    return out
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    """Format a number or show a dash when unknown."""
+    return "–" if value is None else pattern.format(value)
+
+
+def stats_markdown(stats: dict) -> str:
+    """A two-column Markdown table of the headline figures."""
+    mib = 1 / 2**20
+    rows = [
+        ("tokens generated", str(stats.get("new_tokens", 0))),
+        ("tokens / s (decode)", _fmt(stats.get("tokens_per_s"), "{:.2f}")),
+        ("time to first token", _fmt(stats.get("time_to_first_token_s"), "{:.2f} s")),
+        ("prefill", _fmt(stats.get("prefill_s"), "{:.2f} s")),
+        ("level-1 acceptance (by level 2)", _fmt(stats.get("level1_acceptance"), "{:.0%}")),
+        ("level-2 acceptance (by level 3)", _fmt(stats.get("level2_acceptance"), "{:.0%}")),
+        ("tokens per target forward", _fmt(stats.get("tokens_per_target_forward"), "{:.2f}")),
+        ("budget / prompt", _fmt(stats.get("budget_pct_of_context"), "{:.1f} %")),
+        ("full KV cache", _fmt(stats["cache_bytes"] * mib if stats.get("cache_bytes") else None, "{:.1f} MiB")),
+        ("retrieval cache", _fmt(stats["retrieval_cache_bytes"] * mib if stats.get("retrieval_cache_bytes") else None,
+                                 "{:.1f} MiB")),
+    ]
+    if stats.get("dropped_tokens"):
+        rows.append(("tokens dropped (truncated)", str(stats["dropped_tokens"])))
+    header = "| | " + ("final" if stats.get("finished") else "live") + " |\n|---|---|\n"
+    return header + "\n".join(f"| {name} | {value} |" for name, value in rows)
+
+
+def status_markdown(state: RunState) -> str:
+    """One line on what the run is doing, plus a truncation notice."""
+    if state.finished:
+        reason = (state.final_stats or {}).get("stop_reason") or "done"
+        line = f"✅ Finished ({reason}): {len(state.token_ids)} tokens."
+    elif state.stage == "prefill":
+        line = f"⏳ Prefill: {state.prefill_done:,} / {state.prefill_total:,} prompt tokens ({state.prefill_s:.1f} s)"
+    elif state.stage.startswith("loading"):
+        line = f"⏳ {state.stage.capitalize()} ({state.load_fraction:.0%})"
+    elif state.stage == "decoding":
+        line = f"▶️ Decoding: {len(state.pieces)} tokens"
+    else:
+        line = "⏳ Starting…"
+    if state.dropped_tokens:
+        line += (f"\n\n⚠️ The document did not fit the context ({state.context_length:,} tokens): "
+                 f"{state.dropped_tokens:,} document tokens were dropped.")
+    return line
+
+
+def stats_for(state: RunState) -> tuple[str, dict]:
+    """Stats as Markdown and as a plain dict."""
+    stats = live_stats(state)
+    return stats_markdown(stats), stats

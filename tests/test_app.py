@@ -1,0 +1,387 @@
+"""Tests of the Gradio app: pure reducers/figures/readers first, then the served app through gradio_client."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core import TriForceError
+
+from app import callbacks
+from app.documents import MAX_UPLOAD_BYTES, DocumentError, html_to_text, load_samples, read_document
+from app.figures import HEATMAP_MODES, compare_bars, pick_rows, selection_heatmap
+from app.presets import CUSTOM, EMBEDDED, PRESETS, all_presets, env_preset
+from app.settings import build_config
+from app.state import MAX_COLUMNS, RunState, apply_event, bin_edges, bin_max, live_stats
+from app.views import PROVENANCE_LABELS, SPAN_LABELS, answer_pieces, document_view, stats_markdown, status_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = dict(max_new_tokens=16, budget=128, chunk_size=8, gamma1=2, gamma2=6, drafter="auto", reselect="once",
+                reselect_every=8, temperature=0.6, top_p=0.9, seed=0, greedy=True, overflow="truncate")
+BROKEN_TARGET = "/nonexistent/triforce-target"
+
+
+def make_pdf(text: str) -> bytes:
+    """A minimal one-page PDF whose page shows `text` (ASCII)."""
+    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+               b"/Resources << /Font << /F1 5 0 R >> >> >>",
+               b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    out, offsets = io.BytesIO(), []
+    out.write(b"%PDF-1.4\n")
+    for number, body in enumerate(objects, 1):
+        offsets.append(out.tell())
+        out.write(b"%d 0 obj\n" % number + body + b"\nendobj\n")
+    xref = out.tell()
+    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
+    out.write(b"".join(b"%010d 00000 n \n" % offset for offset in offsets))
+    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
+    return out.getvalue()
+
+
+def selection_event(num_chunks: int, chunk_ids: list[list[list[int]]], round_: int = 0) -> dict:
+    """A RetrievalSelection event dict."""
+    return {"kind": "RetrievalSelection", "round": round_, "position": 0, "chunk_size": 8, "num_chunks": num_chunks,
+            "prompt_tokens": num_chunks * 8, "budget": 64, "chunk_ids": chunk_ids, "seconds": 0.0}
+
+
+def prompt_event(num_chunks: int, dropped: int = 0) -> dict:
+    """A PromptReady event dict with chunk texts 'c0 ', 'c1 ', ..."""
+    return {"kind": "PromptReady", "prompt_tokens": num_chunks * 8, "document_tokens": num_chunks * 8,
+            "dropped_tokens": dropped, "context_length": 8192, "max_new_tokens": 8, "chunk_size": 8,
+            "chunk_texts": [f"c{i} " for i in range(num_chunks)]}
+
+
+def tokens_event(texts: list[str], provenance: list[str], round_: int) -> dict:
+    """A Tokens event dict."""
+    return {"kind": "Tokens", "ids": list(range(len(texts))), "texts": texts, "provenance": provenance,
+            "round": round_}
+
+
+# ---------------------------------------------------------------- documents
+
+
+def test_read_text_markdown_html_and_pdf(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("plain text ✓", encoding="utf-8")
+    (tmp_path / "b.md").write_bytes("\ufeff# Title\nbody".encode("utf-8"))
+    (tmp_path / "c.html").write_text("<html><head><style>x{}</style></head><body><h1>Head</h1><script>var a;"
+                                     "</script><p>One &amp; two</p></body></html>", encoding="utf-8")
+    (tmp_path / "d.pdf").write_bytes(make_pdf("Hello TriForce PDF"))
+    assert read_document(tmp_path / "a.txt") == "plain text ✓"
+    assert read_document(tmp_path / "b.md") == "# Title\nbody"
+    assert read_document(tmp_path / "c.html") == "Head\n\nOne & two"
+    assert read_document(tmp_path / "d.pdf") == "Hello TriForce PDF"
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("bin.txt", b"\x7fELF\x00\x01\x02", "binary"),
+    ("latin1.txt", "caf\xe9 au lait".encode("latin-1"), "not valid UTF-8"),
+    ("empty.md", b"   \n", "no text"),
+    ("image.png", b"\x89PNG", "Unsupported file type"),
+    ("broken.pdf", b"%PDF-1.4 garbage", "Could not read this PDF"),
+])
+def test_unusable_uploads_are_explained(tmp_path: Path, name: str, data: bytes, message: str) -> None:
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(DocumentError, match=message):
+        read_document(tmp_path / name)
+
+
+def test_oversized_upload_is_refused(tmp_path: Path) -> None:
+    big = tmp_path / "big.txt"
+    with big.open("wb") as handle:
+        handle.truncate(MAX_UPLOAD_BYTES + 1)
+    with pytest.raises(DocumentError, match="limit"):
+        read_document(big)
+
+
+def test_html_to_text_skips_hidden_elements() -> None:
+    assert html_to_text("<div>a</div><noscript>no</noscript><template>t</template>b") == "a\nb"
+
+
+def test_bundled_samples_are_listed_with_instructions() -> None:
+    samples = load_samples()
+    assert len(samples) >= 3
+    assert all(sample.path.is_file() and sample.instructions for sample in samples)
+    assert load_samples(ROOT / "no-such-dir") == []
+
+
+# ---------------------------------------------------------------- presets and settings
+
+
+def test_presets_from_environment() -> None:
+    assert env_preset({}) is None
+    paper = env_preset({"TRIFORCE_TARGET": "NousResearch/Yarn-Llama-2-7b-128k", "TRIFORCE_DRAFT": "JackFram/llama-68m"})
+    assert paper == PRESETS[1]
+    custom = env_preset({"TRIFORCE_TARGET": "/models/mine"})
+    assert (custom.name, custom.target, custom.draft) == (CUSTOM, "/models/mine", None)
+    assert [p.name for p in all_presets({"TRIFORCE_TARGET": "/models/mine"})][:2] == [CUSTOM, EMBEDDED]
+    targets = {p.target for p in PRESETS}
+    assert {None, "NousResearch/Yarn-Llama-2-7b-128k", "LargeWorldModel/LWM-Text-Chat-128K",
+            "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-7B-Instruct"} == targets
+
+
+def test_build_config_maps_widgets_and_explains_bad_values() -> None:
+    config = build_config(method="triforce", **{**SETTINGS, "reselect": "every N rounds", "reselect_every": 4.0,
+                                                "drafter": "ngram"})
+    assert (config.reselect, config.drafter, config.max_new_tokens, config.greedy) == (4, "ngram", 16, True)
+    assert build_config(method="ar", **{**SETTINGS, "reselect": "every verification"}).reselect == "every_verify"
+    with pytest.raises(TriForceError, match="multiple of chunk_size"):
+        build_config(method="triforce", **{**SETTINGS, "budget": 100})
+    with pytest.raises(TriForceError, match="whole number"):
+        build_config(method="triforce", **{**SETTINGS, "max_new_tokens": 2.5})
+    with pytest.raises(TriForceError, match="empty"):
+        build_config(method="triforce", **{**SETTINGS, "seed": None})
+    with pytest.raises(TriForceError, match="top_p"):
+        build_config(method="triforce", **{**SETTINGS, "top_p": 0})
+
+
+# ---------------------------------------------------------------- reducer, views, figures
+
+
+def test_bins_cover_all_chunks_within_the_column_limit() -> None:
+    edges = bin_edges(16_384)
+    assert len(edges) - 1 == MAX_COLUMNS and edges[0] == 0 and edges[-1] == 16_384
+    assert np.all(np.diff(edges) >= 1)
+    values = np.zeros(16_384, dtype=np.uint8)
+    values[[5, 16_383]] = [7, 3]
+    binned = bin_max(values, edges)
+    assert binned.dtype == np.uint8 and binned[0] == 7 and binned[-1] == 3 and binned[1:-1].sum() == 0
+    assert len(bin_edges(10)) - 1 == 10
+
+
+def test_reducer_tracks_tokens_selection_and_acceptance() -> None:
+    state = RunState()
+    apply_event(state, prompt_event(20), now=0.0)
+    apply_event(state, {"kind": "PrefillProgress", "done": 160, "total": 160, "seconds": 1.5}, now=1.5)
+    # 2 layers × 2 KV heads; chunk 0 kept by all four, chunk 7 by three, chunk 19 by one
+    apply_event(state, selection_event(20, [[[0, 7], [0, 7]], [[0, 7], [0, 19]]]))
+    apply_event(state, {"kind": "Verdict", "level": 2, "round": 0, "proposed": [1, 2], "accepted": 1, "token": 3,
+                        "bonus": False})
+    apply_event(state, {"kind": "Verdict", "level": 3, "round": 0, "proposed": [1, 2, 3], "accepted": 2, "token": 4,
+                        "bonus": False})
+    apply_event(state, tokens_event(["A", "b", "c"], ["draft", "level2", "level3"], 0), now=2.0)
+    apply_event(state, selection_event(20, [[[0, 1], [0, 1]], [[0, 1], [0, 1]]], round_=1))
+    apply_event(state, tokens_event(["d"], ["level3"], 1), now=2.5)
+    assert state.totals.tolist()[:2] == [4, 4] and state.max_count == 4
+    assert state.step_rounds == [0, 1] and state.step_selection == [0, 1]
+    assert answer_pieces(state) == [("A", PROVENANCE_LABELS["draft"]), ("b", PROVENANCE_LABELS["level2"]),
+                                    ("c", PROVENANCE_LABELS["level3"]), ("d", PROVENANCE_LABELS["level3"])]
+    stats = live_stats(state, now=3.5)
+    assert stats["level1_acceptance"] == 0.5 and stats["level2_acceptance"] == pytest.approx(2 / 3)
+    assert stats["tokens_per_s"] == pytest.approx(4 / 2.0) and stats["tokens_per_target_forward"] == 4.0
+    assert stats["budget_pct_of_context"] == pytest.approx(100 * 64 / 160) and not stats["finished"]
+    first = state.selection_columns[0]
+    assert first[0] == 4 and first[7] == 3 and first[19] == 1 and first[1] == 0
+
+
+def test_document_view_highlights_kept_chunks_and_summarises_gaps() -> None:
+    state = RunState()
+    apply_event(state, prompt_event(20))
+    apply_event(state, selection_event(20, [[[0, 7], [0, 7]], [[0, 7], [0, 19]]]))
+    view = document_view(state)
+    assert view[0] == ("c0 ", SPAN_LABELS["sink"])
+    assert (" … [48 tokens] … ", None) in view
+    assert ("c7 ", SPAN_LABELS["hot"]) in view and ("c19 ", SPAN_LABELS["warm"]) in view
+    assert all(text != "c3 " for text, _ in view)
+
+
+def test_heatmap_bins_long_documents_and_hovers_with_snippets() -> None:
+    state = RunState()
+    apply_event(state, prompt_event(5000))
+    rng = np.random.default_rng(0)
+    heads = [[sorted({0, *rng.choice(5000, 64, replace=False).tolist()}) for _ in range(3)] for _ in range(4)]
+    apply_event(state, selection_event(5000, heads))
+    for step in range(300):
+        apply_event(state, tokens_event(["x"], ["draft"], step))
+    figure = json.loads(selection_heatmap(state, HEATMAP_MODES[0]).to_json())
+    trace = figure["data"][0]
+    assert trace["type"] == "heatmap" and trace["z"]["dtype"] == "u1"
+    rows, columns = (int(n) for n in trace["z"]["shape"].split(","))
+    assert columns == MAX_COLUMNS and rows <= 256 and rows == len(pick_rows(300))
+    assert trace["x"][0].startswith("chunks 0–") and "tokens 0–" in trace["x"][0] and "“c0 c1" in trace["x"][0]
+    layer = json.loads(selection_heatmap(state, HEATMAP_MODES[1]).to_json())["data"][0]
+    assert layer["z"]["shape"].replace(" ", "") == f"4,{MAX_COLUMNS}"
+    assert len(json.dumps(figure)) < 600_000
+
+
+def test_heatmap_without_retrieval_says_why() -> None:
+    figure = selection_heatmap(RunState(method="ar"))
+    assert "no retrieval" in figure.layout.annotations[0].text
+
+
+def test_stats_and_status_mention_truncation() -> None:
+    state = RunState()
+    apply_event(state, prompt_event(4, dropped=1234))
+    assert "1,234 document tokens were dropped" in status_markdown(state)
+    assert "tokens dropped (truncated) | 1234" in stats_markdown(live_stats(state))
+
+
+def test_comparison_summary_checks_token_identity() -> None:
+    ar, tf = RunState(method="ar"), RunState()
+    for state, ids in ((ar, [1, 2, 3]), (tf, [1, 2, 4])):
+        state.final_stats, state.token_ids = {"tokens_per_s": 2.0 if state is ar else 5.0}, ids
+    text, summary = callbacks.comparison_summary(ar, tf, greedy=True)
+    assert summary["identical"] is False and summary["first_difference"] == 2 and summary["speedup"] == 2.5
+    assert "differ" in text
+    tf.token_ids = [1, 2, 3]
+    assert callbacks.comparison_summary(ar, tf, greedy=True)[1]["identical"] is True
+    assert callbacks.comparison_summary(ar, tf, greedy=False)[1]["identical"] is None
+    assert len(compare_bars(live_stats(ar), live_stats(tf)).data) == 6
+
+
+def test_throttle_limits_rate_but_lets_forced_updates_through() -> None:
+    gate = callbacks.Throttle(0.25)
+    assert [gate.due(t) for t in (0.0, 0.1, 0.2, 0.3, 0.4)] == [True, False, False, True, False]
+    assert gate.due(0.41, force=True)
+
+
+# ---------------------------------------------------------------- the served app (real engine, embedded model)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """The app on a free loopback port, with an unloadable model in TRIFORCE_TARGET (it must stay usable)."""
+    from gradio_client import Client
+
+    from app.layout import build_demo, launch_options
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRIFORCE_TARGET", BROKEN_TARGET)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    demo = build_demo()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
+    url = f"http://127.0.0.1:{port}/"
+    yield url, Client(url, verbose=False)
+    demo.close()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def short_doc() -> str:
+    """The first ~450 tokens of a bundled sample: quick to prefill on CPU."""
+    return (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt").read_text(encoding="utf-8")[:2000]
+
+
+def run_kwargs(document: str, **overrides) -> dict:
+    """Arguments of the /triforce and /compare endpoints with the embedded model."""
+    return {"document": document, "instruction": "Who wrote this and why?", "preset_name": EMBEDDED, **SETTINGS,
+            **overrides}
+
+
+def test_triforce_streams_coloured_tokens_heatmap_and_stats(server, short_doc: str) -> None:
+    _, client = server
+    job = client.submit(**run_kwargs(short_doc), api_name="/triforce")
+    answers = [len(update[1] or []) for update in job]
+    status, answer, plot, doc_view, stats_md, stats = job.outputs()[-1]
+    assert status.startswith("✅ Finished")
+    assert len([n for n in answers if n]) >= 2 and answers == sorted(answers), "answer did not stream"
+    labels = {piece["class_or_confidence"] for piece in answer}
+    assert labels <= {PROVENANCE_LABELS[p] for p in ("draft", "level2", "level3")} and labels
+    assert "".join(piece["token"] for piece in answer).strip()
+    heat = json.loads(plot["plot"])["data"][0]
+    assert heat["type"] == "heatmap"
+    z = np.frombuffer(__import__("base64").b64decode(heat["z"]["bdata"]), dtype=np.uint8)
+    assert z.size > 0 and z.max() > 0
+    assert any(piece["class_or_confidence"] == SPAN_LABELS["sink"] for piece in doc_view)
+    assert 1 <= stats["new_tokens"] <= SETTINGS["max_new_tokens"] and stats["finished"]
+    assert stats["tokens_per_s"] > 0 and stats["prefill_s"] > 0 and stats["time_to_first_token_s"] > 0
+    assert stats["tokens_per_target_forward"] >= 1 and stats["cache_bytes"] > 0
+    assert "tokens / s" in stats_md
+
+
+def test_compare_greedy_outputs_are_token_identical(server, short_doc: str) -> None:
+    _, client = server
+    job = client.submit(**run_kwargs(short_doc, max_new_tokens=12), api_name="/compare")
+    list(job)
+    status, ar_answer, tf_answer, ar_md, tf_md, bars, verdict, summary = job.outputs()[-1]
+    assert summary["greedy"] is True and summary["identical"] is True, summary
+    assert [p["token"] for p in ar_answer] == [p["token"] for p in tf_answer] and ar_answer
+    assert {p["class_or_confidence"] for p in ar_answer} == {PROVENANCE_LABELS["target"]}
+    assert summary["speedup"] > 0 and summary["ar"]["tokens_per_s"] > 0 and summary["triforce"]["tokens_per_s"] > 0
+    assert "Token-identical" in verdict and len(json.loads(bars["plot"])["data"]) == 6
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"document": "   "}, "document is empty"),
+    ({"budget": 100}, "multiple of chunk_size"),
+    ({"preset_name": CUSTOM}, "Could not load"),
+])
+def test_bad_input_is_reported_and_the_next_run_works(server, short_doc: str, overrides: dict,
+                                                      message: str) -> None:
+    from gradio_client.exceptions import AppError
+
+    _, client = server
+    with pytest.raises(AppError, match=message):
+        client.predict(**{**run_kwargs(short_doc), **overrides}, api_name="/triforce")
+    result = client.predict(**run_kwargs(short_doc[:600], max_new_tokens=2), api_name="/triforce")
+    assert result[0].startswith("✅ Finished")
+
+
+def test_bad_uploads_are_refused_visibly(server, tmp_path: Path) -> None:
+    from gradio_client import handle_file
+    from gradio_client.exceptions import AppError
+
+    url, client = server
+    (tmp_path / "blob.txt").write_bytes(b"\x00\x01binary")
+    (tmp_path / "latin.txt").write_bytes("d\xe9j\xe0 vu".encode("latin-1"))
+    (tmp_path / "ok.html").write_text("<p>Fine &amp; dandy</p>", encoding="utf-8")
+    for name, message in (("blob.txt", "binary"), ("latin.txt", "UTF-8")):
+        with pytest.raises(AppError, match=message):
+            client.predict(handle_file(str(tmp_path / name)), api_name="/upload_document")
+    assert client.predict(handle_file(str(tmp_path / "ok.html")), api_name="/upload_document") == "Fine & dandy"
+    big = tmp_path / "big.txt"
+    with big.open("wb") as handle:
+        handle.truncate(MAX_UPLOAD_BYTES + 1)
+    with pytest.raises(Exception, match="(?i)too large|exceed|413|limit"):
+        client.predict(handle_file(str(big)), api_name="/upload_document")
+
+
+def test_overlong_document_is_truncated_or_refused(server) -> None:
+    from gradio_client.exceptions import AppError
+
+    _, client = server
+    long_doc = (ROOT / "assets" / "docs" / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    info = client.predict(long_doc, EMBEDDED, 128, api_name="/describe_document")
+    assert "longer than the context" in info
+    with pytest.raises(AppError, match="(?i)context"):
+        client.predict(**run_kwargs(long_doc, overflow="refuse"), api_name="/triforce")
+    status, *_, stats = client.predict(**run_kwargs(long_doc, max_new_tokens=1), api_name="/triforce")
+    assert stats["dropped_tokens"] > 100_000 and "dropped" in status
+
+
+def test_ten_concurrent_sessions_finish_in_queue_order(server, short_doc: str) -> None:
+    from gradio_client import Client
+    from gradio_client.utils import Status
+
+    url, _ = server
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def record(index: int):
+        def done(*_: object) -> None:
+            with lock:
+                finished.append(index)
+        return done
+
+    jobs = []
+    for index in range(10):
+        client = Client(url, verbose=False)
+        jobs.append(client.submit(**run_kwargs(short_doc[:400], max_new_tokens=4, seed=index), api_name="/triforce",
+                                  result_callbacks=[record(index)]))
+        deadline = time.monotonic() + 30
+        while jobs[-1].status().code in (Status.STARTING, Status.JOINING_QUEUE) and time.monotonic() < deadline:
+            time.sleep(0.02)  # wait until this session holds its place in the queue before the next one joins
+    results = [job.result(timeout=300) for job in jobs]
+    assert all(result[0].startswith("✅ Finished") for result in results)
+    assert finished == list(range(10))
