@@ -10,7 +10,7 @@ from app.explainer import EXPLANATION
 from app.figures import HEATMAP_MODES, empty_figure
 from app.presets import all_presets, default_preset
 from app.settings import DRAFTERS, OVERFLOW_POLICIES, RESELECT_POLICIES
-from app.views import PROVENANCE_COLORS, SPAN_COLORS
+from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
 
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
@@ -53,7 +53,7 @@ def build_demo() -> gr.Blocks:
                                                  elem_id="instruction")
                         examples = gr.Dataset(components=[instruction], samples=[[i] for i in first_instructions],
                                               label="Example instructions", type="values")
-                        with gr.Accordion("Settings", open=False):
+                        with gr.Accordion("Settings", open=False, elem_id="settings"):
                             preset_name = gr.Dropdown([p.name for p in all_presets()], value=preset.name,
                                                       label="Model preset (target + draft)")
                             with gr.Row():
@@ -84,7 +84,7 @@ def build_demo() -> gr.Blocks:
                             stop = gr.Button("Stop", variant="stop", elem_id="stop")
                     with gr.Column(scale=3, min_width=420):
                         status = gr.Markdown("Ready.", elem_id="status")
-                        answer = gr.HighlightedText(label="Answer (coloured by provenance)", color_map=PROVENANCE_COLORS,
+                        answer = gr.HighlightedText(label="Answer (coloured by provenance)", color_map=TRIFORCE_COLORS,
                                                     show_legend=True, elem_id="answer")
                         heatmap_mode = gr.Radio(list(HEATMAP_MODES), value=HEATMAP_MODES[0], label="Heatmap",
                                                 container=False)
@@ -107,11 +107,11 @@ def build_demo() -> gr.Blocks:
                 compare_status = gr.Markdown()
                 with gr.Row():
                     with gr.Column():
-                        ar_answer = gr.HighlightedText(label="Autoregressive", color_map=PROVENANCE_COLORS,
+                        ar_answer = gr.HighlightedText(label="Autoregressive", color_map=AR_COLORS,
                                                        elem_id="compare-ar")
                         ar_stats = gr.Markdown()
                     with gr.Column():
-                        tf_answer = gr.HighlightedText(label="TriForce", color_map=PROVENANCE_COLORS,
+                        tf_answer = gr.HighlightedText(label="TriForce", color_map=TRIFORCE_COLORS,
                                                        show_legend=True, elem_id="compare-tf")
                         tf_stats = gr.Markdown()
                 verdict = gr.Markdown(elem_id="verdict")

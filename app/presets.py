@@ -20,7 +20,7 @@ class Preset:
 
 
 PRESETS: tuple[Preset, ...] = (
-    Preset(EMBEDDED, None, None, 1024),
+    Preset(EMBEDDED, None, None, 512),
     Preset("Paper: Yarn-Llama-2-7b-128k + llama-68m", "NousResearch/Yarn-Llama-2-7b-128k", "JackFram/llama-68m", 4096),
     Preset("LWM-Text-Chat-128K + llama-68m", "LargeWorldModel/LWM-Text-Chat-128K", "JackFram/llama-68m", 4096),
     Preset("Llama-3.1-8B-Instruct + Llama-3.2-1B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",

@@ -18,6 +18,8 @@ PROVENANCE_COLORS = {
     PROVENANCE_LABELS["level3"]: "#ef4444",
     PROVENANCE_LABELS["target"]: "#94a3b8",
 }
+TRIFORCE_COLORS = {label: colour for label, colour in PROVENANCE_COLORS.items() if label != PROVENANCE_LABELS["target"]}
+AR_COLORS = {PROVENANCE_LABELS["target"]: PROVENANCE_COLORS[PROVENANCE_LABELS["target"]]}
 SPAN_LABELS = {"sink": "attention sink", "hot": "kept by ≥ half of layer×heads", "warm": "kept by some heads"}
 SPAN_COLORS = {SPAN_LABELS["sink"]: "#a78bfa", SPAN_LABELS["hot"]: "#f97316", SPAN_LABELS["warm"]: "#fde68a"}
 DOC_VIEW_CHUNKS = 40

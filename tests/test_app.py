@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import socket
@@ -291,7 +292,7 @@ def test_triforce_streams_coloured_tokens_heatmap_and_stats(server, short_doc: s
     assert "".join(piece["token"] for piece in answer).strip()
     heat = json.loads(plot["plot"])["data"][0]
     assert heat["type"] == "heatmap"
-    z = np.frombuffer(__import__("base64").b64decode(heat["z"]["bdata"]), dtype=np.uint8)
+    z = np.frombuffer(base64.b64decode(heat["z"]["bdata"]), dtype=np.uint8)
     assert z.size > 0 and z.max() > 0
     assert any(piece["class_or_confidence"] == SPAN_LABELS["sink"] for piece in doc_view)
     assert 1 <= stats["new_tokens"] <= SETTINGS["max_new_tokens"] and stats["finished"]
@@ -332,7 +333,7 @@ def test_bad_uploads_are_refused_visibly(server, tmp_path: Path) -> None:
     from gradio_client import handle_file
     from gradio_client.exceptions import AppError
 
-    url, client = server
+    _, client = server
     (tmp_path / "blob.txt").write_bytes(b"\x00\x01binary")
     (tmp_path / "latin.txt").write_bytes("d\xe9j\xe0 vu".encode("latin-1"))
     (tmp_path / "ok.html").write_text("<p>Fine &amp; dandy</p>", encoding="utf-8")
