@@ -107,7 +107,7 @@ def build_demo() -> gr.Blocks:
                 compare_status = gr.Markdown()
                 with gr.Row():
                     with gr.Column():
-                        ar_answer = gr.HighlightedText(label="Autoregressive", color_map=AR_COLORS,
+                        ar_answer = gr.HighlightedText(label="Autoregressive", color_map=AR_COLORS, show_legend=True,
                                                        elem_id="compare-ar")
                         ar_stats = gr.Markdown()
                     with gr.Column():

@@ -88,8 +88,12 @@ def test_run_heatmap_stop_and_screenshot(app_url: str) -> None:
         page.wait_for_function("() => document.querySelector('#status').innerText.includes('Decoding')",
                                timeout=240_000)
         page.click("#stop")
-        page.wait_for_function("() => document.querySelector('#status').innerText.includes('Stopped')",
-                               timeout=30_000)
+        try:
+            page.wait_for_function("() => document.querySelector('#status').innerText.includes('Stopped')",
+                                   timeout=60_000)
+        except sync_api.TimeoutError:
+            page.screenshot(path=str(ROOT / "tests" / "artifacts" / "stop-timeout.png"), full_page=True)
+            pytest.fail(f"no 'Stopped' status after Stop; status: {page.inner_text('#status')!r}")
         time.sleep(0.5)
         stopped_at = page.evaluate(COLOURED_TOKENS)
         time.sleep(2.5)
