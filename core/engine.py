@@ -36,6 +36,7 @@ class Engine:
     draft_name: str | None = None
     context_length: int = 0
     info: dict = field(default_factory=dict)
+    _prefilled: tuple | None = None  # (prompt ids, full cache, its last prefill queries): reused by the next run
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, device: str | None = None,
@@ -97,17 +98,11 @@ class Engine:
                           cfg.max_new_tokens, cs,
                           [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)])
         model = self.target
-        a = model.args
-        full = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, len(ids) + cfg.max_new_tokens + cfg.gamma2 + 2,
-                       model.dtype, model.device)
-        target = Level(model, full, [])
+        target = Level(model, self._full_cache(ids, cfg), [])
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         t0 = time.perf_counter()
-        full.record_rows = 1
         with torch.inference_mode():
-            for done in target.prefill(ids[:-1], cfg.prefill_chunk):
-                yield PrefillProgress(done, len(ids) - 1, time.perf_counter() - t0)
-            full.record_rows = 0
+            yield from self._prefill(target, ids, cfg, t0)
             out = Output(self.tokenizer, cfg, model.eos_ids)
             tally = Tally()
             if cfg.method == "ar":
@@ -128,6 +123,33 @@ class Engine:
             tokens_per_target_forward=n / forwards if forwards else 0.0,
             level1_proposed=tally.level1_proposed, level1_accepted=tally.level1_accepted,
             level2_proposed=tally.level2_proposed, level2_accepted=tally.level2_accepted,
-            cache_bytes=full.nbytes, retrieval_cache_bytes=tally.retrieval_bytes, stop_reason=out.stop_reason,
+            cache_bytes=target.cache.nbytes, retrieval_cache_bytes=tally.retrieval_bytes, stop_reason=out.stop_reason,
             device=str(model.device), dtype=str(model.dtype).removeprefix("torch."), settings=cfg.to_dict())
         yield Finished(out.text, out.ids, ids, stats)
+
+    def _full_cache(self, ids: list[int], cfg: GenerationConfig) -> KVCache:
+        """A full cache with room for the prompt and the answer; the previous run's if it fits."""
+        a = self.target.args
+        need = len(ids) + cfg.max_new_tokens + cfg.gamma2 + 2
+        if self._prefilled and self._prefilled[1].capacity >= need:
+            return self._prefilled[1]
+        self._prefilled = None
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, need, self.target.dtype, self.target.device)
+
+    def _prefill(self, target: Level, ids: list[int], cfg: GenerationConfig, t0: float) -> Iterator[Event]:
+        """Fill the full cache with ids[:-1] in chunks, recording the last row's queries (retrieval's first
+        selection); the same prompt as the previous run's reuses its cache."""
+        full, body = target.cache, ids[:-1]
+        if self._prefilled and self._prefilled[1] is full and self._prefilled[0] == ids:
+            full.truncate(len(body))
+            full.queries = list(self._prefilled[2])
+            target.tokens = list(body)
+            yield PrefillProgress(len(body), len(body), time.perf_counter() - t0)
+            return
+        self._prefilled = None
+        full.truncate(0)
+        full.record_rows = 1
+        for done in target.prefill(body, cfg.prefill_chunk):
+            yield PrefillProgress(done, len(body), time.perf_counter() - t0)
+        full.record_rows = 0
+        self._prefilled = (list(ids), full, list(full.queries))

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from core.config import ModelNotFoundError, TokenizerMismatchError
 from core.model import Transformer
@@ -96,6 +97,7 @@ def load_model(source: str | None, device: torch.device, dtype: torch.dtype,
                rope_scaling: dict | None = None) -> tuple[Transformer, object, Source]:
     """Our Transformer with the checkpoint's weights, its tokenizer, and where it came from."""
     src = resolve(source)
+    hf_logging.disable_progress_bar()
     tok, hf = _from_pretrained(src, dtype)
     config = hf.config
     if rope_scaling:

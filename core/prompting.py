@@ -15,7 +15,7 @@ class Prompt:
     """Prompt ids and how the document fared."""
 
     ids: list[int]
-    document_tokens: int
+    document_tokens: int  # as given, before any truncation
     dropped_tokens: int
 
 
@@ -44,7 +44,7 @@ def build_prompt(tokenizer, document: str, instruction: str, context_length: int
     if room < 16:
         raise TriForceError(f"max_new_tokens={max_new_tokens} leaves no room for a document in the model's "
                             f"{context_length}-token context")
-    dropped = 0
+    total, dropped = len(doc), 0
     if len(doc) > room:
         if overflow == "refuse":
             raise ContextOverflowError(
@@ -56,4 +56,4 @@ def build_prompt(tokenizer, document: str, instruction: str, context_length: int
         head = keep // 2
         dropped = len(doc) - keep
         doc = doc[:head] + marker + doc[len(doc) - (keep - head):]
-    return Prompt(before + doc + after, len(doc), dropped)
+    return Prompt(before + doc + after, total, dropped)

@@ -1,0 +1,66 @@
+"""Our compact model computes the same logits as transformers' own implementations."""
+
+import pytest
+import torch
+
+from core.kvcache import KVCache
+from tests.tiny import tiny_config, tiny_pair
+
+ROPES = {
+    "default": {},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+}
+
+
+def full_cache(model, capacity: int) -> KVCache:
+    a = model.args
+    return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, torch.float32, "cpu")
+
+
+def check_logits(hf, ours, ids: torch.Tensor, pieces: bool = True) -> None:
+    """One forward over ids, and the same ids fed in three pieces through the cache, both match transformers.
+    (Dynamic NTK RoPE changes its frequencies with the length seen so far, so cached pieces differ by design.)"""
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+        got = ours(ids, full_cache(ours, len(ids)))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        if not pieces:
+            return
+        cache = full_cache(ours, len(ids))
+        cut = [0, len(ids) // 2, len(ids) - 1, len(ids)]
+        pieces = [ours(ids[a:b], cache) for a, b in zip(cut, cut[1:])]
+        torch.testing.assert_close(torch.cat(pieces), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_llama_rope_types_match_transformers(rope):
+    hf, ours = tiny_pair(tiny_config("llama", rope=ROPES[rope], max_position=64))
+    ids = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(1))  # past the 64 trained positions
+    check_logits(hf, ours, ids, pieces=rope != "dynamic")
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_other_families_match_transformers(family):
+    hf, ours = tiny_pair(tiny_config(family))
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2))
+    check_logits(hf, ours, ids)
+
+
+def test_qwen2_uses_qkv_bias():
+    _, ours = tiny_pair(tiny_config("qwen2"))
+    assert ours.layers[0].self_attn.q_proj.bias is not None
+    assert ours.layers[0].self_attn.o_proj.bias is None
+
+
+def test_embedded_model_matches_transformers(embedded):
+    from transformers import AutoModelForCausalLM
+
+    from core.loading import _cache_dir, embedded_source
+
+    hf = AutoModelForCausalLM.from_pretrained(_cache_dir(embedded_source()), dtype=torch.float32).eval()
+    ids = torch.tensor(embedded.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"])
+    check_logits(hf, embedded.target, ids)

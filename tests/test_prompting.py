@@ -1,0 +1,118 @@
+"""Prompt building, overflow handling and bad input."""
+
+import pytest
+import torch
+
+from core import ContextOverflowError, GenerationConfig, ModelNotFoundError, TokenizerMismatchError, TriForceError
+from core.events import Finished, PromptReady
+from core.loading import check_tokenizers, resolve
+from core.prompting import build_prompt
+
+DOC = "The lighthouse keeper counted ships. " * 40
+
+
+def test_chat_template_wraps_document_and_instruction(embedded):
+    tok = embedded.tokenizer
+    prompt = build_prompt(tok, DOC, "How many ships?", 8192, 64, "truncate")
+    text = tok.decode(prompt.ids)
+    assert text.index("lighthouse") < text.index("How many ships?") < text.rindex("assistant")
+    assert prompt.dropped_tokens == 0 and prompt.document_tokens == embedded.count_tokens(DOC)
+
+
+def test_plain_template_without_chat_template(embedded):
+    class Plain:
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return embedded.tokenizer(text, add_special_tokens=add_special_tokens)
+
+    ids = build_prompt(Plain(), DOC, "Why?", 8192, 16, "truncate").ids
+    text = embedded.tokenizer.decode(ids)
+    assert text.startswith("Document:\n") and text.rstrip().endswith("Why?\n\nAnswer:")
+
+
+def test_long_document_truncated_keeps_head_and_tail(embedded):
+    doc = "BEGINNING " + "filler words here. " * 3000 + " THE END"
+    prompt = build_prompt(embedded.tokenizer, doc, "Summarise.", 2048, 100, "truncate")
+    marker = embedded.count_tokens("\n[...]\n")
+    template = len(build_prompt(embedded.tokenizer, "x", "Summarise.", 2048, 100, "truncate").ids) - 1
+    assert len(prompt.ids) == 2048 - 100  # the document fills the room exactly
+    assert prompt.document_tokens == embedded.count_tokens(doc)
+    assert prompt.dropped_tokens == prompt.document_tokens - (2048 - 100 - template - marker)
+    text = embedded.tokenizer.decode(prompt.ids)
+    assert "BEGINNING" in text and "THE END" in text and "[...]" in text
+
+
+def test_truncation_is_reported_in_events(embedded):
+    small = __import__("dataclasses").replace(embedded, context_length=1024, _prefilled=None)
+    events = list(small.generate("word " * 3000, "Count.", GenerationConfig(method="ar", max_new_tokens=2,
+                                                                            greedy=True)))
+    ready = next(e for e in events if isinstance(e, PromptReady))
+    assert ready.dropped_tokens > 1900 and ready.prompt_tokens <= 1024 - 2
+    assert events[-1].stats.dropped_tokens == ready.dropped_tokens
+
+
+def test_refuse_overflow(embedded):
+    with pytest.raises(ContextOverflowError, match="tokens but only"):
+        build_prompt(embedded.tokenizer, "word " * 3000, "Count.", 1024, 16, "refuse")
+
+
+@pytest.mark.parametrize("document", ["", "   \n\t "])
+def test_empty_document_is_refused(embedded, document):
+    with pytest.raises(TriForceError, match="empty"):
+        embedded.generate(document, "Anything?", GenerationConfig())
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(budget=100, chunk_size=8), "multiple of chunk_size"),
+    (dict(gamma1=0), "gamma1"),
+    (dict(gamma2=0), "gamma2"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(reselect="sometimes"), "reselect"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_invalid_settings_are_refused_before_work(embedded, settings, message):
+    with pytest.raises(TriForceError, match=message):
+        embedded.generate(DOC, "Why?", GenerationConfig(**settings))
+
+
+def test_model_drafter_without_draft_model(embedded):
+    with pytest.raises(TriForceError, match="needs a draft model"):
+        list(embedded.generate(DOC, "Why?", GenerationConfig(drafter="model", max_new_tokens=2)))
+
+
+def test_unknown_model_paths(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no such model"):
+        resolve(str(tmp_path / "missing"))
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        resolve(str(tmp_path))
+
+
+def test_tokenizer_mismatch_names_both(embedded):
+    import copy
+
+    other = copy.deepcopy(embedded.tokenizer)
+    other.add_tokens(["<extra-token>"])
+    with pytest.raises(TokenizerMismatchError, match="draft-x.*target-y"):
+        check_tokenizers(embedded.tokenizer, "target-y", other, "draft-x")
+    check_tokenizers(embedded.tokenizer, "target-y", embedded.tokenizer, "draft-x")
+
+
+def test_local_directory_checkpoint_loads(tmp_path, embedded):
+    """A transformers checkpoint saved to a directory loads through the real loading path."""
+    from core import Engine
+    from tests.tiny import tiny_config, tiny_pair
+
+    hf, _ = tiny_pair(tiny_config(vocab=len(embedded.tokenizer)))
+    hf.save_pretrained(tmp_path)
+    embedded.tokenizer.save_pretrained(tmp_path)
+    engine = Engine.load(str(tmp_path), device="cpu")
+    assert engine.info["target"] == str(tmp_path) and engine.context_length == 256
+    events = list(engine.generate(DOC[:200], "Go.", GenerationConfig(max_new_tokens=3, greedy=True, method="ar")))
+    assert isinstance(events[-1], Finished) and len(events[-1].token_ids) <= 3
+    ids = torch.tensor(events[-1].prompt_ids)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0, -1].argmax().item()
+    assert events[-1].token_ids[0] == want

@@ -1,0 +1,55 @@
+"""Speculative sampling is exact; logits processing behaves as documented."""
+
+from collections import Counter
+
+import torch
+
+from core.config import GenerationConfig
+from core.sampling import distributions, speculative_verify
+from tests.stats import chi_square_p
+
+V = 6
+
+
+def draws(p: torch.Tensor, q: torch.Tensor | None, n: int, residual=None) -> Counter:
+    """First emitted token of one-token drafts x ~ q (or a fixed draft 2 when q is None) verified against p."""
+    g = torch.Generator().manual_seed(0)
+    kwargs = {"residual": residual} if residual else {}
+    counts = Counter()
+    for _ in range(n):
+        x = int(torch.multinomial(q, 1, generator=g)) if q is not None else 2
+        accepted, token = speculative_verify([x], q[None] if q is not None else None, p, g, **kwargs)
+        counts[x if accepted else token] += 1
+    return counts
+
+
+def test_verify_emits_target_distribution_and_biased_residual_is_caught():
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(2, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(V, generator=g) * 2, -1)
+    expected = dict(enumerate(p[0].tolist()))
+    assert chi_square_p(draws(p, q, 20000), expected, 20000) > 1e-3
+    assert chi_square_p(draws(p, None, 20000), expected, 20000) > 1e-3  # deterministic (n-gram) proposals
+    assert chi_square_p(draws(p, q, 20000, residual=lambda pi, qi: pi), expected, 20000) < 1e-6
+
+
+def test_greedy_accepts_only_the_argmax():
+    cfg = GenerationConfig(greedy=True)
+    logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, 0.1], [0.0, 0.0, 5.0]])
+    p = distributions(logits, cfg)
+    g = torch.Generator().manual_seed(0)
+    assert speculative_verify([1, 0], p[:2], p, g) == (2, 2)
+    assert speculative_verify([1, 2], None, p, g) == (1, 0)
+    assert speculative_verify([0], None, p, g) == (0, 1)
+
+
+def test_top_p_top_k_and_temperature():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = distributions(logits, GenerationConfig(temperature=1.0, top_p=0.75))[0]
+    torch.testing.assert_close(kept, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    kept = distributions(logits, GenerationConfig(temperature=1.0, top_p=0.85))[0]
+    assert (kept > 0).tolist() == [True, True, True, False]
+    kept = distributions(logits, GenerationConfig(temperature=1.0, top_p=1.0, top_k=1))[0]
+    assert kept.tolist() == [1.0, 0.0, 0.0, 0.0]
+    cold = distributions(logits, GenerationConfig(temperature=0.5, top_p=1.0))[0]
+    assert cold[0] > 0.5 and abs(float(cold.sum()) - 1) < 1e-6
