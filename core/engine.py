@@ -102,7 +102,8 @@ class Engine:
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            yield from self._prefill(target, ids, cfg, t0)
+            for progress in self._prefill(target, ids, cfg, t0):
+                yield progress
             out = Output(self.tokenizer, cfg, model.eos_ids)
             tally = Tally()
             if cfg.method == "ar":
@@ -118,7 +119,8 @@ class Engine:
         forwards = target.forwards - forwards_before
         stats = Stats(
             method=cfg.method, new_tokens=n, prompt_tokens=len(ids), dropped_tokens=prompt.dropped_tokens,
-            prefill_s=prefill_s, decode_s=decode_s, tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
+            prefill_s=prefill_s, prefill_reused=progress.reused, decode_s=decode_s,
+            tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
             time_to_first_token_s=(out.first_token_at or t1) - t0, target_forwards=forwards,
             tokens_per_target_forward=n / forwards if forwards else 0.0,
             level1_proposed=tally.level1_proposed, level1_accepted=tally.level1_accepted,
@@ -144,12 +146,12 @@ class Engine:
             full.truncate(len(body))
             full.queries = list(self._prefilled[2])
             target.tokens = list(body)
-            yield PrefillProgress(len(body), len(body), time.perf_counter() - t0)
+            yield PrefillProgress(len(body), len(body), time.perf_counter() - t0, full.nbytes, reused=True)
             return
         self._prefilled = None
         full.truncate(0)
         full.record_rows = 1
         for done in target.prefill(body, cfg.prefill_chunk):
-            yield PrefillProgress(done, len(body), time.perf_counter() - t0)
+            yield PrefillProgress(done, len(body), time.perf_counter() - t0, full.nbytes)
         full.record_rows = 0
         self._prefilled = (list(ids), full, list(full.queries))

@@ -49,6 +49,8 @@ class PrefillProgress(Event):
     done: int
     total: int
     seconds: float
+    cache_bytes: int  # the full KV cache's size
+    reused: bool = False  # the previous run's cache already held this prompt
 
 
 @dataclass
@@ -63,6 +65,7 @@ class RetrievalSelection(Event):
     budget: int
     chunk_ids: list[list[list[int]]]
     seconds: float
+    cache_bytes: int  # the retrieval cache's size
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Stats:
     prompt_tokens: int
     dropped_tokens: int
     prefill_s: float
+    prefill_reused: bool
     decode_s: float
     tokens_per_s: float
     time_to_first_token_s: float

