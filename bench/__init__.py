@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print and save figures (never timed tests)."""
