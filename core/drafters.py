@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 
 from core.config import GenerationConfig
-from core.kvcache import StreamingCache
+from core.kvcache import CachePool, StreamingCache
 from core.levels import Level
 from core.model import Transformer
 from core.sampling import distributions, sample
@@ -63,10 +63,22 @@ class ModelDrafter:
     name = "model"
 
     def __init__(self, model: Transformer, cfg: GenerationConfig, prompt: list[int], vocab_size: int,
-                 generator: torch.Generator):
+                 generator: torch.Generator, pool: CachePool | None = None):
         a = model.args
-        cache = StreamingCache(a.n_layers, a.n_kv_heads, a.head_dim, cfg.sink_tokens, cfg.window_tokens,
-                               cfg.gamma1 + cfg.gamma2 + 8, model.rotary, model.dtype, model.device)
+        slack = cfg.gamma1 + cfg.gamma2 + 8
+
+        def make() -> StreamingCache:
+            return StreamingCache(a.n_layers, a.n_kv_heads, a.head_dim, cfg.sink_tokens, cfg.window_tokens, slack,
+                                  model.rotary, model.dtype, model.device)
+
+        if pool is None:
+            cache = make()
+        else:  # sink and window are sizes, not only a capacity: only an identical cache fits
+            shape = (a.n_layers, a.n_kv_heads, cfg.sink_tokens + cfg.window_tokens + slack, a.head_dim)
+            cache = pool.take(lambda c: isinstance(c, StreamingCache) and tuple(c.k.shape) == shape
+                              and (c.sink, c.window, c.rotary) == (cfg.sink_tokens, cfg.window_tokens, model.rotary),
+                              make)
+            cache.reset()
         self.level = Level(model, cache, [])
         self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator
         body = prompt[:-1]
@@ -83,7 +95,7 @@ class ModelDrafter:
         tokens: list[int] = []
         qs = []
         for _ in range(n):
-            logits = self.level.logits(seq + tokens, 1, trusted)
+            logits = self.level.logits(seq, 1, trusted, tokens)
             q = distributions(self._align(logits), self.cfg)[0]
             tokens.append(sample(q, self.generator))
             qs.append(q)

@@ -14,7 +14,7 @@ from core.autoregressive import autoregressive
 from core.config import GenerationConfig, TriForceError
 from core.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
 from core.events import Event, Finished, Loading, PrefillProgress, PromptReady, Stats
-from core.kvcache import KVCache
+from core.kvcache import CachePool, KVCache
 from core.levels import Level
 from core.loading import check_tokenizers, default_device, default_dtype, load_model
 from core.model import Transformer
@@ -37,6 +37,7 @@ class Engine:
     context_length: int = 0
     info: dict = field(default_factory=dict)
     _prefilled: tuple | None = None  # (prompt ids, full cache, its last prefill queries): reused by the next run
+    pool: CachePool = field(default_factory=CachePool)  # retrieval/draft caches (and their CUDA graphs) kept
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, device: str | None = None,
@@ -79,7 +80,7 @@ class Engine:
         if name == "model":
             if self.draft is None:
                 raise TriForceError("drafter 'model' needs a draft model; load one or pick 'ngram' or 'none'")
-            return ModelDrafter(self.draft, cfg, prompt, self.target.args.vocab_size, generator)
+            return ModelDrafter(self.draft, cfg, prompt, self.target.args.vocab_size, generator, self.pool)
         return NgramDrafter(cfg.ngram_max) if name == "ngram" else NoDrafter()
 
     def generate(self, document: str, instruction: str, config: GenerationConfig | None = None
@@ -98,6 +99,7 @@ class Engine:
                           cfg.max_new_tokens, cs,
                           [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)])
         model = self.target
+        self.pool.release()
         target = Level(model, self._full_cache(ids, cfg), [])
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         t0 = time.perf_counter()
@@ -109,7 +111,8 @@ class Engine:
             if cfg.method == "ar":
                 loop = autoregressive(target, ids, cfg, generator, out)
             else:
-                loop = triforce(target, ids, self._drafter(cfg, ids, generator), cfg, generator, out, tally)
+                loop = triforce(target, ids, self._drafter(cfg, ids, generator), cfg, generator, out, tally,
+                                self.pool)
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             forwards_before = target.forwards

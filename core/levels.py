@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from core import cuda_graphs
 from core.kvcache import KVCache
 from core.model import Transformer
 
@@ -25,17 +26,24 @@ class Level:
         self.tokens = list(tokens)  # the sequence the cache holds keys/values for
         self.forwards = 0
 
-    def logits(self, seq: list[int], n_last: int, trusted: int = 0) -> torch.Tensor:
-        """Float32 logits [n_last, V] predicting the tokens after each of seq's last n_last positions.
+    def logits(self, seq: list[int], n_last: int, trusted: int = 0, extra: list[int] = ()) -> torch.Tensor:
+        """Float32 logits [n_last, V] predicting the tokens after each of the last n_last positions of seq + extra.
 
         `trusted`: a length up to which seq is known to equal what this level saw before (skips comparing it).
+        `extra`: tokens after seq, passed apart so that a long seq is never copied.
         """
-        keep = common_prefix(self.tokens, seq, trusted, len(seq) - n_last)
+        total = len(seq) + len(extra)
+        start = min(trusted, len(self.tokens), total - n_last)
+        tail = seq[start:] + list(extra)  # short: `trusted` is near the end
+        keep = start + common_prefix(self.tokens[start:], tail, 0, total - n_last - start)
         self.cache.truncate(keep)
-        ids = torch.tensor(seq[keep:], device=self.model.device)
-        out = self.model(ids, self.cache, n_logits=n_last)
+        new = tail[keep - start:]
+        if cuda_graphs.applies(self.model, self.cache, len(new)):
+            out = cuda_graphs.step(self.model, self.cache, new, n_last)
+        else:
+            out = self.model(torch.tensor(new, device=self.model.device), self.cache, n_logits=n_last)
         del self.tokens[keep:]
-        self.tokens.extend(seq[keep:])
+        self.tokens.extend(new)
         self.forwards += 1
         return out
 

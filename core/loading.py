@@ -141,6 +141,8 @@ def load_model(source: str | None, device: torch.device, dtype: torch.dtype,
         model = Transformer(config)
     model.load_hf_state_dict(hf.state_dict())
     model = model.to(device=device, dtype=dtype).eval()
+    if device.type == "cuda":
+        model.fuse_projections()
     model.eos_ids = _eos_ids(hf, tok)
     return model, tok, src
 

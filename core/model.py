@@ -6,7 +6,9 @@ whatever part of the context it holds: the full context, a retrieved subset, or 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -18,12 +20,26 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+@functools.cache
+def gpu_kernels() -> ModuleType | None:
+    """core.kernels when Triton imports (CUDA machines), else None."""
+    try:
+        from core import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
 class AttentionCache(Protocol):
-    """What the model needs from a cache: positions for new tokens, and attention over stored + new keys."""
+    """What the model needs from a cache: host bookkeeping for n new tokens (begin), their positions as a device
+    tensor, and attention over stored + new keys. Everything after begin is device work (CUDA-graph safe)."""
 
-    def begin(self, n: int) -> torch.Tensor: ...
+    def begin(self, n: int) -> None: ...
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def positions(self) -> torch.Tensor: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor: ...
 
     def end(self) -> None: ...
 
@@ -86,7 +102,8 @@ class Rotary(nn.Module):
         if self.rope_type == "default":
             dims = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device="cpu") / self.head_dim
             return 1.0 / (self.theta**dims), 1.0
-        return ROPE_INIT_FUNCTIONS[self.rope_type](self.config, torch.device("cpu"), seq_len=seq_len)
+        with torch.device("cpu"):  # also when the model is built on the meta device
+            return ROPE_INIT_FUNCTIONS[self.rope_type](self.config, torch.device("cpu"), seq_len=seq_len)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [n, head_dim] for integer positions [n]."""
@@ -120,14 +137,37 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and (kernels := gpu_kernels()):
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x [n, heads, head_dim], returned head-major [heads, n, head_dim] (one launch on CUDA)."""
+    if x.is_cuda and (kernels := gpu_kernels()):
+        return kernels.rope(x, cos, sin)
+    return rotate(x.transpose(0, 1), cos, sin)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input; theirs become views of it (no copy kept)."""
+    weight = torch.cat([lin.weight for lin in linears])
+    bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    a = 0
+    for lin in linears:
+        b = a + lin.out_features
+        lin.weight = nn.Parameter(weight[a:b], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[a:b], requires_grad=False)
+        a = b
+    return weight, bias
+
+
 class Attention(nn.Module):
-    """Grouped-query attention; the cache does the attending."""
+    """Grouped-query attention; the cache applies RoPE, stores the keys/values and does the attending."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -140,18 +180,23 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(hd, args.norm_eps)
             self.k_norm = RMSNorm(hd, args.norm_eps)
+        self.wqkv: torch.Tensor | None = None  # fused q/k/v weight (Transformer.fuse_projections)
+        self.bqkv: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, cache: AttentionCache, layer: int) -> torch.Tensor:
         n = x.shape[0]
         a = self.args
-        q = self.q_proj(x).view(n, a.n_heads, a.head_dim)
-        k = self.k_proj(x).view(n, a.n_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(n, a.n_kv_heads, a.head_dim)
+        if self.wqkv is not None:
+            sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+            q, k, v = F.linear(x, self.wqkv, self.bqkv).split(sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, a.n_heads, a.head_dim)
+        k = k.view(n, a.n_kv_heads, a.head_dim)
+        v = v.view(n, a.n_kv_heads, a.head_dim)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, head_dim]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = cache.attend(layer, q, k, v)  # [n_heads, n, head_dim]
+        out = cache.attend(layer, q, k, v, cos, sin)  # [n_heads, n, head_dim]
         return self.o_proj(out.transpose(0, 1).reshape(n, a.n_heads * a.head_dim))
 
 
@@ -163,9 +208,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13: torch.Tensor | None = None  # fused gate/up weight (Transformer.fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.w13 is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = F.linear(x, self.w13)
+        if x.is_cuda and (kernels := gpu_kernels()):
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -209,8 +261,12 @@ class Transformer(nn.Module):
     def forward(self, ids: torch.Tensor, cache: AttentionCache, n_logits: int | None = None) -> torch.Tensor:
         """Run tokens ids [n] through the model with `cache`; return float32 logits of the last n_logits positions
         (all when None, none when 0)."""
-        positions = cache.begin(ids.shape[0])
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        cache.begin(ids.shape[0])
+        return self.step(ids, cache, n_logits)
+
+    def step(self, ids: torch.Tensor, cache: AttentionCache, n_logits: int | None = None) -> torch.Tensor:
+        """forward after cache.begin: device work only, so a CUDA graph can capture it."""
+        cos, sin = self.rotary.cos_sin(cache.positions(), self.dtype)
         x = self.embed_tokens(ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i)
@@ -220,6 +276,13 @@ class Transformer(nn.Module):
         if n_logits is not None:
             x = x[-n_logits:]
         return self.lm_head(self.norm(x)).float()
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q/k/v and one for gate/up per layer (fewer, larger kernels for decoding on a GPU)."""
+        for block in self.layers:
+            att, mlp = block.self_attn, block.mlp
+            att.wqkv, att.bqkv = fuse_linears(att.q_proj, att.k_proj, att.v_proj)
+            mlp.w13, _ = fuse_linears(mlp.gate_proj, mlp.up_proj)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Take weights from a transformers *ForCausalLM state dict (tensors are shared, not copied)."""

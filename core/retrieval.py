@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.kvcache import KVCache
+from core.kvcache import CachePool, KVCache
 
 
 @dataclass
@@ -28,8 +28,11 @@ class ChunkIndex:
     @classmethod
     def build(cls, full: KVCache, length: int, chunk_size: int) -> "ChunkIndex":
         n = length // chunk_size
-        keys = full.k[:, :, :n * chunk_size].float()
-        mean = keys.view(keys.shape[0], keys.shape[1], n, chunk_size, keys.shape[-1]).mean(3)
+        layers, heads, _, d = full.k.shape
+        mean = torch.empty(layers, heads, n, d, dtype=torch.float32, device=full.k.device)
+        for layer in range(layers):  # one layer at a time: a float32 copy of a whole long cache would not fit
+            keys = full.k[layer, :, :n * chunk_size].float()
+            mean[layer] = keys.view(heads, n, chunk_size, d).mean(2)
         return cls(mean, chunk_size, length)
 
 
@@ -55,16 +58,27 @@ def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, 
     offsets = torch.arange(cs, device=chunk_ids.device)
     tokens = (chunk_ids[..., None] * cs + offsets).flatten(2)  # [layers, kv_heads, n_select * cs]
     n = tokens.shape[-1]
-    idx = tokens[..., None].expand(-1, -1, -1, full.k.shape[-1])
-    torch.gather(full.k[:, :, :index.length], 2, idx, out=into.k[:, :, :n])
-    torch.gather(full.v[:, :, :index.length], 2, idx, out=into.v[:, :, :n])
+    layers, heads = tokens.shape[:2]
+    lay = torch.arange(layers, device=tokens.device)[:, None, None]
+    head = torch.arange(heads, device=tokens.device)[None, :, None]
+    into.k[:, :, :n] = full.k[lay, head, tokens]  # whole head_dim rows per index: a wide copy, no per-element index
+    into.v[:, :, :n] = full.v[lay, head, tokens]
     tail = slice(index.length - index.tail, index.length)
     into.k[:, :, n:n + index.tail] = full.k[:, :, tail]
     into.v[:, :, n:n + index.tail] = full.v[:, :, tail]
 
 
-def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int) -> KVCache:
-    """An empty retrieval cache sized for `budget` prompt tokens (+ tail) and `extra` later tokens."""
+def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int, pool: CachePool | None = None
+                    ) -> KVCache:
+    """An empty retrieval cache sized for `budget` prompt tokens (+ tail) and `extra` later tokens (from `pool`
+    when one fits; its capacity then also covers any tail, so one cache serves prompts of any length)."""
     head = chunks_to_keep(index, budget) * index.chunk_size + index.tail
     n_layers, n_kv, _, d = full.k.shape
-    return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.k.device, head=head, start=index.length)
+    if pool is None:
+        return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.k.device, head=head, start=index.length)
+    shape = (n_layers, n_kv, budget + index.chunk_size + extra, d)
+    cache = pool.take(lambda c: type(c) is KVCache and c.k.shape[:2] == shape[:2] and c.k.shape[3] == d
+                      and c.capacity >= head + extra and c.k.dtype == full.k.dtype,
+                      lambda: KVCache(n_layers, n_kv, d, shape[2], full.k.dtype, full.k.device))
+    cache.reset(head, index.length)
+    return cache

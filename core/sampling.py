@@ -47,9 +47,10 @@ def speculative_verify(draft: list[int], q: torch.Tensor | None, p: torch.Tensor
     Returns (accepted count, next token): a sample from the residual after the first rejection, else a bonus
     token from p's last row. The accepted tokens followed by the next token are distributed exactly as p.
     """
-    for i, x in enumerate(draft):
-        px = float(p[i, x])
-        qx = float(q[i, x]) if q is not None else 1.0
+    rows = list(range(len(draft)))
+    both = torch.stack([p[rows, draft], q[rows, draft] if q is not None else torch.ones_like(p[rows, draft])])
+    pxs, qxs = both.tolist() if draft else ([], [])  # one device sync for the whole draft
+    for i, (x, px, qx) in enumerate(zip(draft, pxs, qxs)):
         if px >= qx or float(torch.rand((), generator=generator, device=p.device)) * qx < px:
             continue
         qi = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(x, device=p.device),

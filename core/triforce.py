@@ -12,7 +12,7 @@ import torch
 from core.config import GenerationConfig
 from core.drafters import Drafter
 from core.events import DraftProposal, Event, Provenance, RetrievalSelection, StepTiming, Verdict
-from core.kvcache import KVCache
+from core.kvcache import CachePool, KVCache
 from core.levels import Level, common_prefix
 from core.output import Output
 from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
@@ -34,11 +34,12 @@ class Tally:
 class Retrieval:
     """Level 2's cache: the selected prompt chunks plus every later token, re-selected by policy."""
 
-    def __init__(self, full: KVCache, cfg: GenerationConfig):
+    def __init__(self, full: KVCache, cfg: GenerationConfig, pool: CachePool | None = None):
         self.full, self.cfg = full, cfg
         self.index = ChunkIndex.build(full, full.seq_len, cfg.chunk_size)
         self.n_select = chunks_to_keep(self.index, cfg.budget)
-        self.cache = retrieval_cache(full, self.index, cfg.budget, cfg.max_new_tokens + cfg.gamma1 + cfg.gamma2 + 2)
+        self.cache = retrieval_cache(full, self.index, cfg.budget, cfg.max_new_tokens + cfg.gamma1 + cfg.gamma2 + 2,
+                                     pool)
         self.synced = full.seq_len  # positions below this hold the full cache's keys/values
 
     def due(self, round_: int) -> bool:
@@ -77,7 +78,7 @@ def draft_level2(drafter: Drafter, level2: Level, seq: list[int], committed: int
         t0 = time.perf_counter()
         proposals, q1 = drafter.propose(seq + tokens, min(cfg.gamma1, cfg.gamma2 - len(tokens)), committed)
         t1 = time.perf_counter()
-        p2 = distributions(level2.logits(seq + tokens + proposals, len(proposals) + 1, committed), cfg)
+        p2 = distributions(level2.logits(seq, len(proposals) + 1, committed, tokens + proposals), cfg)
         # The residual is explicit here: the reference code samples from p2 instead, which biases level 3's q.
         accepted, token = speculative_verify(proposals, q1, p2, generator, residual=residual_distribution)
         timing["level1"] += t1 - t0
@@ -95,11 +96,11 @@ def draft_level2(drafter: Drafter, level2: Level, seq: list[int], committed: int
 
 
 def triforce(target: Level, prompt: list[int], drafter: Drafter, cfg: GenerationConfig,
-             generator: torch.Generator, out: Output, tally: Tally) -> Iterator[Event]:
+             generator: torch.Generator, out: Output, tally: Tally, pool: CachePool | None = None) -> Iterator[Event]:
     """Rounds of level-3 verification until `out` says stop. The full cache must hold prompt[:-1] and have
-    recorded the last prefill row's queries."""
+    recorded the last prefill row's queries. `pool`: where the retrieval cache may come from."""
     full = target.cache
-    retrieval = Retrieval(full, cfg)
+    retrieval = Retrieval(full, cfg, pool)
     tally.retrieval_bytes = retrieval.cache.nbytes
     yield retrieval.select(-1, 0, full.seq_len)
     level2 = Level(target.model, retrieval.cache, prompt[:-1])
@@ -116,7 +117,7 @@ def triforce(target: Level, prompt: list[int], drafter: Drafter, cfg: Generation
         t0 = time.perf_counter()
         reselect = retrieval.due(round_)
         full.record_rows = len(draft) + 1 if reselect else 0
-        p3 = distributions(target.logits(seq + draft, len(draft) + 1, committed), cfg)
+        p3 = distributions(target.logits(seq, len(draft) + 1, committed, draft), cfg)
         accepted, token = speculative_verify(draft, torch.stack(q2), p3, generator)
         level3_s = time.perf_counter() - t0
         tally.level2_proposed += len(draft)

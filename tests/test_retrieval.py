@@ -16,14 +16,15 @@ def filled_cache(length: int, seed: int) -> tuple[KVCache, torch.Tensor]:
     cache = KVCache(LAYERS, HKV, D, length + 1, torch.float32, "cpu")
     cache.begin(length)
     for layer in range(LAYERS):
-        cache.attend(layer, torch.randn(HQ, length, D, generator=g), torch.randn(HKV, length, D, generator=g),
-                     torch.randn(HKV, length, D, generator=g))
+        cache.store_and_attend(layer, torch.randn(HQ, length, D, generator=g),
+                               torch.randn(HKV, length, D, generator=g), torch.randn(HKV, length, D, generator=g))
     cache.end()
     cache.record_rows = 1
     q = torch.randn(LAYERS, HQ, 1, D, generator=g)
     cache.begin(1)
     for layer in range(LAYERS):
-        cache.attend(layer, q[layer], torch.randn(HKV, 1, D, generator=g), torch.randn(HKV, 1, D, generator=g))
+        cache.store_and_attend(layer, q[layer], torch.randn(HKV, 1, D, generator=g),
+                               torch.randn(HKV, 1, D, generator=g))
     cache.end()
     return cache, q[:, :, 0]
 

@@ -1,0 +1,209 @@
+"""Triton kernels for CUDA decoding: split-K (flash-decoding) attention over a static cache read in place, RMSNorm
+and RoPE in one launch each. Imported lazily (see core.model.gpu_kernels): CPU machines never need Triton."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_QUERIES = 16  # decode steps feed at most this many tokens; longer runs (prefill) use SDPA
+BLOCK_N = 64
+TARGET_PROGRAMS = 4 * 132  # enough blocks to fill an H100/H200 several times over
+
+
+@triton.jit
+def _split_kernel(Q, K, V, Meta, Part, Lse, split_len, scale,
+                  stride_qh, stride_kh, stride_kn, stride_ph, stride_ps, stride_pm, stride_lh, stride_ls,
+                  N_NEW: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  D: tl.constexpr):
+    """One (KV head, split): online softmax of the group's query rows over keys [start, start + split_len)."""
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    base = tl.load(Meta + 1)  # slot of the first new token; keys [0, base + N_NEW) are valid
+    length = base + N_NEW
+    start = s * split_len
+    end = tl.minimum(start + split_len, length)
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    row_ok = rows < ROWS
+    limit = base + rows % N_NEW  # causal: new token i sees keys up to its own slot
+    q = tl.load(Q + h * stride_qh + rows[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for kb in range(start, end, BLOCK_N):
+        offs = kb + tl.arange(0, BLOCK_N)
+        ok = offs < end
+        k = tl.load(K + h * stride_kh + offs[:, None] * stride_kn + dims[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(V + h * stride_kh + offs[:, None] * stride_kn + dims[None, :], mask=ok[:, None], other=0.0)
+        x = tl.dot(q, tl.trans(k)) * scale
+        x = tl.where(ok[None, :] & (offs[None, :] <= limit[:, None]), x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        p = tl.exp2(x - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(Part + h * stride_ph + s * stride_ps + rows[:, None] * stride_pm + dims[None, :], out)
+    tl.store(Lse + h * stride_lh + s * stride_ls + rows, tl.where(l > 0, m + tl.log2(l), float("-inf")))
+
+
+@triton.jit
+def _reduce_kernel(Part, Lse, Out, stride_ph, stride_ps, stride_pm, stride_lh, stride_ls, stride_on, stride_oh,
+                   N_NEW: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr):
+    """Combine the splits of one (KV head, query row) and write it as out[token, query head]."""
+    h = tl.program_id(0)
+    r = tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, D)
+    lse = tl.load(Lse + h * stride_lh + splits * stride_ls + r)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Part + h * stride_ph + splits[:, None] * stride_ps + r * stride_pm + dims[None, :])
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    token, g = r % N_NEW, r // N_NEW
+    tl.store(Out + token * stride_on + (h * GROUP + g) * stride_oh + dims, out.to(Out.dtype.element_ty))
+
+
+def num_splits(n_kv_heads: int, capacity: int) -> int:
+    """Splits of the key range per KV head: enough programs to fill the GPU, a power of two, >= 4 blocks each."""
+    want = triton.next_power_of_2(max(1, TARGET_PROGRAMS // n_kv_heads))
+    most = triton.next_power_of_2(max(1, triton.cdiv(capacity, 4 * BLOCK_N)))
+    return max(1, min(want, most))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of n new queries q [Hq, n, D] over one layer's cache k, v [Hkv, capacity, D] whose
+    new keys are already stored at slots meta[1] ... meta[1] + n - 1 (meta on the device: graph-safe).
+    Returns [Hq, n, D] (a transposed view of a [n, Hq, D] buffer)."""
+    hq, n, d = q.shape
+    hkv, capacity, _ = k.shape
+    group = hq // hkv
+    rows = group * n
+    block_m = max(16, triton.next_power_of_2(rows))
+    splits = num_splits(hkv, capacity)
+    split_len = triton.cdiv(triton.cdiv(capacity, splits), BLOCK_N) * BLOCK_N
+    part = torch.empty(hkv, splits, block_m, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(hkv, splits, block_m, dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    scale = d ** -0.5 * 1.4426950408889634  # exp2 domain
+    _split_kernel[(hkv, splits)](q, k, v, meta, part, lse, split_len, scale,
+                                 rows * d, k.stride(0), k.stride(1), part.stride(0), part.stride(1), part.stride(2),
+                                 lse.stride(0), lse.stride(1), N_NEW=n, ROWS=rows, BLOCK_M=block_m,
+                                 BLOCK_N=BLOCK_N, D=d, num_warps=4, num_stages=3)
+    out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    _reduce_kernel[(hkv, rows)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+                                lse.stride(1), out.stride(0), out.stride(1), N_NEW=n, GROUP=group, SPLITS=splits,
+                                D=d, num_warps=4)
+    return out.transpose(0, 1)
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: w * (x * rsqrt(mean(x^2) + eps)) computed in float32, rounded to x's dtype before the weight."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(X + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    y = (x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    tl.store(Y + row * N + cols, (w * y).to(Y.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., N] in one launch (same rounding as core.model.RMSNorm)."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _rms_norm_kernel[(x.numel() // n,)](x, weight, y, eps, N=n, BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return y
+
+
+@triton.jit
+def _rope_kernel(X, Cos, Sin, Y, stride_xn, stride_xh, H: tl.constexpr, HALF: tl.constexpr):
+    """One (token, head): y = x * cos + rotate_half(x) * sin, written head-major."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    x1 = tl.load(X + t * stride_xn + h * stride_xh + i).to(tl.float32)
+    x2 = tl.load(X + t * stride_xn + h * stride_xh + HALF + i).to(tl.float32)
+    c1 = tl.load(Cos + t * 2 * HALF + i).to(tl.float32)
+    c2 = tl.load(Cos + t * 2 * HALF + HALF + i).to(tl.float32)
+    s1 = tl.load(Sin + t * 2 * HALF + i).to(tl.float32)
+    s2 = tl.load(Sin + t * 2 * HALF + HALF + i).to(tl.float32)
+    n = tl.num_programs(0)
+    out = Y + h * n * 2 * HALF + t * 2 * HALF
+    tl.store(out + i, (x1 * c1 - x2 * s1).to(Y.dtype.element_ty))
+    tl.store(out + HALF + i, (x2 * c2 + x1 * s2).to(Y.dtype.element_ty))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x [n, heads, D] (last dim contiguous) with cos/sin [n, D]; returns [heads, n, D] contiguous."""
+    n, h, d = x.shape
+    y = torch.empty(h, n, d, dtype=x.dtype, device=x.device)
+    _rope_kernel[(n, h)](x, cos.contiguous(), sin.contiguous(), y, x.stride(0), x.stride(1), H=h, HALF=d // 2,
+                         num_warps=1)
+    return y
+
+
+@triton.jit
+def _rope_store_kernel(Q, K, V, Cos, Sin, Qout, Kc, Vc, Meta, stride_qn, stride_qh, stride_kn, stride_kh,
+                       stride_vn, stride_vh, stride_ch, stride_cn, HQ: tl.constexpr, HALF: tl.constexpr):
+    """One (token, head): a query head is rotated into Qout [Hq, n, D]; a KV head's key is rotated and stored with
+    its value at cache slot Meta[1] + token."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.num_programs(0)
+    i = tl.arange(0, HALF)
+    c1 = tl.load(Cos + t * 2 * HALF + i).to(tl.float32)
+    c2 = tl.load(Cos + t * 2 * HALF + HALF + i).to(tl.float32)
+    s1 = tl.load(Sin + t * 2 * HALF + i).to(tl.float32)
+    s2 = tl.load(Sin + t * 2 * HALF + HALF + i).to(tl.float32)
+    if h < HQ:
+        src = Q + t * stride_qn + h * stride_qh
+        dst = Qout + h * n * 2 * HALF + t * 2 * HALF
+    else:
+        hk = h - HQ
+        src = K + t * stride_kn + hk * stride_kh
+        dst = Kc + hk * stride_ch + (tl.load(Meta + 1) + t) * stride_cn
+        vsrc = V + t * stride_vn + hk * stride_vh
+        tl.store(Vc + hk * stride_ch + (tl.load(Meta + 1) + t) * stride_cn + tl.arange(0, 2 * HALF),
+                 tl.load(vsrc + tl.arange(0, 2 * HALF)))
+    x1 = tl.load(src + i).to(tl.float32)
+    x2 = tl.load(src + HALF + i).to(tl.float32)
+    tl.store(dst + i, (x1 * c1 - x2 * s1).to(Qout.dtype.element_ty))
+    tl.store(dst + HALF + i, (x2 * c2 + x1 * s2).to(Qout.dtype.element_ty))
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """RoPE of q, k [n, heads, D] in one launch; k and v [n, Hkv, D] go into k_cache/v_cache [Hkv, capacity, D] at
+    slots meta[1] + i. Returns the rotated queries [Hq, n, D]."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty(hq, n, d, dtype=q.dtype, device=q.device)
+    _rope_store_kernel[(n, hq + hkv)](q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, meta,
+                                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                      k_cache.stride(0), k_cache.stride(1), HQ=hq, HALF=d // 2, num_warps=1)
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(X, Y, I: tl.constexpr, BLOCK: tl.constexpr):
+    """silu(gate) * up for one row block of X = [gate | up]."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    g = tl.load(X + row * 2 * I + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(X + row * 2 * I + I + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * I + cols, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation of gate_up [n, 2I] (gate first) in one launch: [n, I]."""
+    n, two_i = gate_up.shape
+    i = two_i // 2
+    y = torch.empty(n, i, dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_kernel[(n, triton.cdiv(i, 1024))](gate_up.contiguous(), y, I=i, BLOCK=1024, num_warps=4)
+    return y
