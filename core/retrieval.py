@@ -58,11 +58,9 @@ def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, 
     offsets = torch.arange(cs, device=chunk_ids.device)
     tokens = (chunk_ids[..., None] * cs + offsets).flatten(2)  # [layers, kv_heads, n_select * cs]
     n = tokens.shape[-1]
-    layers, heads = tokens.shape[:2]
-    lay = torch.arange(layers, device=tokens.device)[:, None, None]
-    head = torch.arange(heads, device=tokens.device)[None, :, None]
-    into.k[:, :, :n] = full.k[lay, head, tokens]  # whole head_dim rows per index: a wide copy, no per-element index
-    into.v[:, :, :n] = full.v[lay, head, tokens]
+    idx = tokens[..., None].expand(-1, -1, -1, full.k.shape[-1])
+    torch.gather(full.k[:, :, :index.length], 2, idx, out=into.k[:, :, :n])
+    torch.gather(full.v[:, :, :index.length], 2, idx, out=into.v[:, :, :n])
     tail = slice(index.length - index.tail, index.length)
     into.k[:, :, n:n + index.tail] = full.k[:, :, tail]
     into.v[:, :, n:n + index.tail] = full.v[:, :, tail]
