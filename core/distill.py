@@ -1,0 +1,468 @@
+"""Distil a tiny level-1 draft for a target (default: the embedded SmolLM2-135M-Instruct).
+
+The draft is a Llama-architecture model of the target's width with a few layers of its own; it SHARES the target's
+token embedding and tied LM head (the shipped file holds only its layers and final norm; the loader takes the
+embedding from the target). It is trained on the target's own next-token distributions, KL(target || draft) at one
+or more temperatures, over windows shaped like level 1's StreamingLLM cache: the prompt's first `sink` tokens
+followed by the `window` tokens before a position, while the target sees the whole sequence (prompt + answer).
+
+Two stages, both seeded:
+
+  python -m core.distill prepare --out .carry/data      # CPU: offline text -> prompts (token ids, sources.json)
+  python -m core.distill train --data .carry/data --target model.gguf --out out/draft   # GPU: answers + training
+
+`prepare` gathers freely licensed text installed on this machine (the bundled documents except the held-out ones,
+Debian licences and copyright files, Python standard-library sources, PyPI packages' README metadata), cuts it into
+documents of random length and wraps each with an instruction in the target's chat template. `train` samples the
+target's answers to those prompts (greedy, T=0.6/top-p 0.9, T=1), then distils. Every text's origin is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "assets" / "docs"
+HOLDOUT = ["us_declaration_of_independence.txt", "python_socket_programming_howto.txt"]
+GENERAL = [
+    "Summarise the document in three sentences.", "What is the main topic of this text?",
+    "List the three most important points of the document.", "Explain the document in simple terms.",
+    "Write a short title for this text and explain your choice.", "What questions does this text answer?",
+    "Who is the intended audience of this document, and why?", "Summarise the last paragraph.",
+    "What are the key terms defined or used in this text? Explain each briefly.",
+    "Rewrite the first paragraph in plain English.", "Give a one-paragraph summary.",
+    "What obligations or rules does the text describe?", "Describe the tone and style of the text.",
+    "Continue the text in the same style for a few sentences.", "What happens in this passage?",
+    "Extract any names, dates or numbers mentioned and say what they refer to.",
+    "Write three questions a reader might ask about this text, with answers.",
+    "Explain the purpose of this document.", "What would be a good next section for this text?",
+    "Summarise the text as a bulleted list.", "Is there anything unclear in this text? Explain.",
+    "What does the author want the reader to do or understand?", "Summarise what has happened so far.",
+]
+CODE = [
+    "Explain what this code does.", "Summarise the purpose of this module.",
+    "List the functions or classes defined here and what each does.", "How would you use this code? Give an example.",
+    "Are there any potential bugs or edge cases in this code?", "Explain the code to a beginner.",
+    "Write documentation for the main function in this code.", "What does this code return, and when?",
+]
+GROUP_WEIGHTS = {"assets": 0.3, "common-licenses": 0.15, "debian-copyright": 0.15, "python-stdlib": 0.2,
+                 "pypi-metadata": 0.2}
+
+
+# ---------------------------------------------------------------- prepare (CPU)
+
+def _read(path: Path, limit: int = 400_000) -> str | None:
+    try:
+        text = path.read_text(encoding="utf-8")[:limit]
+    except (UnicodeDecodeError, OSError):
+        return None
+    return text if len(text.strip()) >= 400 else None
+
+
+def gather_texts(cap_per_group: int) -> list[dict]:
+    """Offline, freely licensed texts: [{group, path, licence, text}], the held-out documents left out and any text
+    quoting them dropped."""
+    holdout_text = [(DOCS / n).read_text() for n in HOLDOUT]
+    probes = [t[i:i + 60] for t in holdout_text for i in range(0, len(t) - 60, 400)]
+    stdlib = Path(os.__file__).parent
+    site = Path(np.__file__).parent.parent
+    candidates = [
+        ("assets", sorted(p for p in DOCS.glob("*.txt") if p.name not in HOLDOUT), "see assets/docs/SOURCES.md"),
+        ("common-licenses", sorted(Path("/usr/share/common-licenses").glob("*")), "the licence texts themselves"),
+        ("debian-copyright", sorted(Path(p) for p in glob.glob("/usr/share/doc/*/copyright")), "Debian copyright files"),
+        ("python-stdlib", sorted(stdlib.glob("*.py")), "PSF-2.0 (CPython standard library)"),
+        ("pypi-metadata", sorted(Path(p) for p in glob.glob(str(site / "*.dist-info" / "METADATA"))),
+         "each package's own licence (named in its METADATA)"),
+    ]
+    out, seen = [], set()
+    for group, paths, licence in candidates:
+        total = 0
+        for path in paths:
+            text = _read(path, cap_per_group)
+            if text is None or total >= cap_per_group:
+                continue
+            digest = hashlib.sha1(text.encode()).hexdigest()
+            if digest in seen or any(p in text for p in probes):
+                continue
+            seen.add(digest)
+            total += len(text)
+            out.append({"group": group, "path": str(path), "licence": licence, "text": text})
+    return out
+
+
+def _prompts_from(texts, tok, n, min_doc, max_doc, rng, instructions_for, split):
+    from core.prompting import build_prompt
+    pool = {}
+    for t in texts:
+        ids = tok(t["text"], add_special_tokens=False)["input_ids"]
+        a = 0
+        while a < len(ids) - min_doc // 2:
+            b = a + rng.randint(min_doc, max_doc)
+            pool.setdefault(t["group"], []).append((t, ids[a:b]))
+            a = b
+    groups = sorted(pool)
+    weights = [GROUP_WEIGHTS.get(g, 0.2) for g in groups]
+    prompts = []
+    for _ in range(n):
+        t, ids = rng.choice(pool[rng.choices(groups, weights)[0]])
+        instruction = rng.choice(instructions_for(t))
+        p = build_prompt(tok, tok.decode(ids), instruction, 8192, 256, "truncate")
+        prompts.append({"ids": p.ids, "path": t["path"], "group": t["group"], "instruction": instruction,
+                        "split": split})
+    return prompts
+
+
+def prepare(args) -> None:
+    from core.loading import load_tokenizer
+    rng = random.Random(args.seed)
+    tok = load_tokenizer(args.target)
+    texts = gather_texts(args.cap_per_group)
+    kind = lambda t: CODE if t["path"].endswith(".py") else GENERAL
+    train = _prompts_from(texts, tok, args.prompts, args.min_doc, args.max_doc, rng, kind, 0)
+    held = [{"group": "holdout", "path": str(DOCS / n), "licence": "validation only", "text": (DOCS / n).read_text()}
+            for n in HOLDOUT]
+    val = _prompts_from(held, tok, args.val_prompts, args.min_doc, args.max_doc, rng, lambda t: GENERAL, 1)
+    prompts = train + val
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = np.concatenate([np.asarray(p["ids"], dtype=np.uint16) for p in prompts])
+    offsets = np.cumsum([0] + [len(p["ids"]) for p in prompts]).astype(np.int64)
+    np.savez(out / "prompts.npz", ids=flat, offsets=offsets, split=np.array([p["split"] for p in prompts]))
+    used = sorted({p["path"] for p in train})
+    sources = {"holdout_documents_not_trained_on": HOLDOUT, "seed": args.seed, "prompts": len(train),
+               "validation_prompts": len(val), "prompt_tokens": int(offsets[-1]),
+               "groups": {g: sum(1 for p in train if p["group"] == g) for g in GROUP_WEIGHTS},
+               "licences": {t["group"]: t["licence"] for t in texts},
+               "files": [{"path": t["path"], "group": t["group"], "chars": len(t["text"])}
+                         for t in texts if t["path"] in used]}
+    (out / "sources.json").write_text(json.dumps(sources, indent=1))
+    print(f"{len(texts)} texts, {len(train)} train + {len(val)} val prompts, {int(offsets[-1])} prompt tokens -> {out}")
+
+
+# ---------------------------------------------------------------- train (GPU)
+
+def _norm(x: torch.Tensor, norm) -> torch.Tensor:
+    xf = x.float()
+    return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
+    """Final-normed hidden states [B, T, D] of a core.model.Transformer over a batch ids [B, T] (plain causal).
+    Written with the weights alone (differentiable, independent of the inference paths and their GPU kernels)."""
+    b, t = ids.shape
+    a = model.args
+    cos, sin = model.rotary.cos_sin(torch.arange(t, device=ids.device), model.dtype)
+    x = F.embedding(ids, model.embed_tokens.weight)
+    for blk in model.layers:
+        h, at, mlp = _norm(x, blk.input_layernorm), blk.self_attn, blk.mlp
+        q = F.linear(h, at.q_proj.weight, at.q_proj.bias).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
+        k = F.linear(h, at.k_proj.weight, at.k_proj.bias).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        v = F.linear(h, at.v_proj.weight, at.v_proj.bias).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        if a.qk_norm:
+            q, k = _norm(q, at.q_norm), _norm(k, at.k_norm)
+        q, k = _rope(q, cos, sin).to(v.dtype), _rope(k, cos, sin).to(v.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=a.n_heads != a.n_kv_heads)
+        x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), at.o_proj.weight)
+        h = _norm(x, blk.post_attention_layernorm)
+        x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
+                         mlp.down_proj.weight)
+    return _norm(x, model.norm)
+
+
+def make_draft(target, layers: list[int]):
+    """A Transformer with len(layers) layers copied from the target's, its final norm, and the target's embedding."""
+    import copy
+
+    from core.model import Transformer
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(layers)
+    draft = Transformer(config)
+    for i, j in enumerate(layers):
+        draft.layers[i].load_state_dict(target.layers[j].state_dict())
+    draft.norm.load_state_dict(target.norm.state_dict())
+    draft = draft.float().to(target.device)
+    draft.embed_tokens = target.embed_tokens  # shared and frozen
+    draft.lm_head = target.lm_head
+    return draft
+
+
+def generate_answers(hf, prompts, settings, batch, max_new, eos_ids, device, time_cap, log):
+    """The target's answers to prompts (ids lists), batch by batch; settings cycle per batch."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers, t0 = [None] * len(prompts), time.time()
+    eos = sorted(eos_ids)
+    for n, a in enumerate(range(0, len(order), batch)):
+        idx = order[a:a + batch]
+        length = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), length), eos[0], dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(idx):
+            ids[r, length - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, length - len(prompts[i]):] = 1
+        temp, top_p = settings[n % len(settings)]
+        kw = dict(do_sample=True, temperature=temp, top_p=top_p) if temp > 0 else dict(do_sample=False)
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                              eos_token_id=eos, pad_token_id=eos[0], top_k=0, **kw)[:, length:].tolist()
+        for r, i in enumerate(idx):
+            row = out[r]
+            cut = next((k + 1 for k, x in enumerate(row) if x in eos_ids), len(row))
+            answers[i] = (row[:cut], temp)
+        log(f"  generated batch {n}: {len(idx)} x <= {length} prompt tokens, T={temp}, {time.time() - t0:.0f}s")
+        if time.time() - t0 > time_cap:
+            log("  generation time cap reached")
+            break
+    return answers
+
+
+def sample_windows(seqs, rng, per_seq, sink, window, answer_share):
+    """(sequence index, end e): the draft sees seq[:sink] + seq[e-window:e] and learns the target at those
+    window positions; ends fall in the answer with probability answer_share, else in the document."""
+    out = []
+    for s, (ids, start) in enumerate(seqs):
+        for _ in range(per_seq):
+            lo = start + 1 if rng.random() < answer_share and start + 1 < len(ids) else sink + 32
+            out.append((s, rng.randint(min(lo, len(ids)), len(ids))))
+    return out
+
+
+def batch_tensors(seqs, wins, sink, window, device):
+    """Target ids [B, T] (right-padded), draft ids [W, sink + window], and for each window the target positions
+    [W, window] and a validity mask [W, window] (positions of the draft input are sink..sink+window-1)."""
+    used = sorted({s for s, _ in wins})
+    row = {s: r for r, s in enumerate(used)}
+    tlen = max(len(seqs[s][0]) for s in used)
+    tgt = torch.zeros(len(used), tlen, dtype=torch.long)
+    for s in used:
+        tgt[row[s], :len(seqs[s][0])] = torch.tensor(seqs[s][0])
+    n = sink + window
+    dids = torch.zeros(len(wins), n, dtype=torch.long)
+    tpos = torch.zeros(len(wins), window, dtype=torch.long)
+    trow = torch.zeros(len(wins), dtype=torch.long)
+    valid = torch.zeros(len(wins), window, dtype=torch.bool)
+    for w, (s, e) in enumerate(wins):
+        ids = seqs[s][0]
+        if e <= n:  # the whole prefix fits: positions sink..e-1 are learned
+            dids[w, :e] = torch.tensor(ids[:e])
+            tpos[w, :max(e - sink, 0)] = torch.arange(sink, max(e, sink))
+            valid[w, :max(e - sink, 0)] = True
+        else:
+            dids[w] = torch.tensor(ids[:sink] + ids[e - window:e])
+            tpos[w] = torch.arange(e - window, e)
+            valid[w] = True
+        trow[w] = row[s]
+    return tgt.to(device), dids.to(device), trow.to(device), tpos.to(device), valid.to(device)
+
+
+def target_logits(target, head, batch) -> torch.Tensor:
+    """The target's logits [W, window, V] at each window's positions, given the whole sequence."""
+    tgt, _, trow, tpos, _ = batch
+    with torch.no_grad():
+        return (hidden_states(target, tgt)[trow[:, None], tpos] @ head.T).float()
+
+
+def distil_loss(draft, head, batch, tl, temps, sink):
+    """Mean KL(target || draft) over valid window positions, averaged over temperatures; plus agreement stats."""
+    dids, valid = batch[1], batch[4]
+    with torch.autocast("cuda", torch.bfloat16, enabled=dids.is_cuda):
+        dl = (hidden_states(draft, dids)[:, sink:].to(head.dtype) @ head.T).float()
+    m = valid.float()
+    loss = 0.0
+    for t in temps:
+        lp, lq = F.log_softmax(tl / t, -1), F.log_softmax(dl / t, -1)
+        loss = loss + ((lp.exp() * (lp - lq)).sum(-1) * m).sum() / m.sum()
+    with torch.no_grad():
+        stats = {"top1": ((tl.argmax(-1) == dl.argmax(-1)).float() * m).sum() / m.sum()}
+        for t in (1.0, 0.6):  # expected acceptance of one sampled draft token at temperature t: sum min(p, q)
+            stats[f"overlap_T{t}"] = (torch.minimum((tl / t).softmax(-1), (dl / t).softmax(-1)).sum(-1) * m).sum() / m.sum()
+    return loss / len(temps), {k: v.item() for k, v in stats.items()}
+
+
+def train(args) -> None:
+    from safetensors.torch import save_file
+
+    from core.loading import _eos_ids, _from_pretrained, resolve, vocab_digest
+    from core.model import Transformer
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        log_lines.append(msg)
+
+    src = resolve(args.target)
+    tok, hf = _from_pretrained(src, dt)
+    hf = hf.to(dev).eval()
+    with torch.device("meta"):
+        target = Transformer(hf.config)
+    target.load_hf_state_dict(hf.state_dict())
+    target = target.to(dev, dt).eval().requires_grad_(False)
+    eos_ids = _eos_ids(hf, tok)
+    log(f"target {src.name} loaded on {dev} in {time.time() - t_start:.0f}s")
+
+    data = np.load(Path(args.data) / "prompts.npz")
+    off, split = data["offsets"], data["split"]
+    prompts = [data["ids"][off[i]:off[i + 1]].astype(np.int64).tolist() for i in range(len(split))]
+    if args.max_prompts:
+        keep = [i for i in range(len(split)) if split[i] == 0][:args.max_prompts] + \
+               [i for i in range(len(split)) if split[i] == 1][:max(2, args.max_prompts // 8)]
+        prompts, split = [prompts[i] for i in keep], split[keep]
+    settings = [(0.0, 1.0), (0.6, 0.9), (1.0, 1.0)]
+    t0 = time.time()
+    answers = generate_answers(hf, prompts, settings, args.gen_batch, args.answer_tokens, eos_ids, dev,
+                               args.gen_seconds, log)
+    gen_s = time.time() - t0
+    seqs = {0: [], 1: []}
+    for p, a, s in zip(prompts, answers, split):
+        if a is not None:
+            seqs[int(s)].append((p + a[0], len(p)))
+    n_ans = sum(len(a[0]) for a in answers if a)
+    log(f"answers: {len(seqs[0])} train / {len(seqs[1])} val sequences, {n_ans} answer tokens in {gen_s:.0f}s")
+
+    # candidates: each init trains on the same batches for --trial-steps; the lowest recent loss continues
+    runs = []
+    for layers in args.init:
+        d = make_draft(target, layers)
+        ps = [p for n, p in d.named_parameters() if not n.startswith(("embed_tokens", "lm_head"))]
+        runs.append({"layers": layers, "draft": d, "params": ps, "losses": [],
+                     "opt": torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)})
+    head = target.lm_head.weight
+    n_params = sum(p.numel() for p in runs[0]["params"])
+    val_wins = sample_windows(seqs[1], random.Random(1), 2, args.sink, args.window, 0.75)
+
+    def evaluate(draft):
+        draft.eval()
+        stats = []
+        with torch.no_grad():
+            for a in range(0, len(val_wins), args.windows):
+                b = batch_tensors(seqs[1], val_wins[a:a + args.windows], args.sink, args.window, dev)
+                stats.append(distil_loss(draft, head, b, target_logits(target, head, b), [1.0], args.sink))
+        draft.train()
+        return {"kl": float(np.mean([l.item() for l, _ in stats])),
+                **{k: float(np.mean([s[k] for _, s in stats])) for k in stats[0][1]}}
+
+    for r in runs:
+        r["val_before"] = evaluate(r["draft"])
+        log(f"draft {n_params / 1e6:.2f}M own params, init from target layers {r['layers']}: val {r['val_before']}")
+    per_seq = max(1, args.windows // args.seqs)
+    t1, step, history = time.time(), 0, []
+    while True:
+        elapsed = time.time() - t1
+        if (args.steps and step >= args.steps) or (not args.steps and elapsed > args.train_seconds):
+            break
+        if step == args.trial_steps and len(runs) > 1:
+            runs.sort(key=lambda r: np.mean(r["losses"][-10:]))
+            log("trial: " + ", ".join(f"{r['layers']} loss {np.mean(r['losses'][-10:]):.3f}" for r in runs))
+            runs = runs[:1]
+        frac = step / args.steps if args.steps else elapsed / args.train_seconds
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1))))
+        picked = [seqs[0][i] for i in rng.sample(range(len(seqs[0])), min(args.seqs, len(seqs[0])))]
+        wins = sample_windows(picked, rng, per_seq, args.sink, args.window, args.answer_share)
+        b = batch_tensors(picked, wins, args.sink, args.window, dev)
+        tl = target_logits(target, head, b)
+        for r in runs:
+            for g in r["opt"].param_groups:
+                g["lr"] = lr
+            loss, st = distil_loss(r["draft"], head, b, tl, args.temps, args.sink)
+            r["opt"].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(r["params"], 1.0)
+            r["opt"].step()
+            r["losses"].append(loss.item())
+        step += 1
+        if step % args.log_every == 0:
+            history.append({"step": step, "seconds": round(time.time() - t1, 1), "lr": lr, "loss": loss.item(), **st})
+            log(f"  step {step} {time.time() - t1:.0f}s loss {loss.item():.3f} top1 {st['top1']:.3f}")
+    best = min(runs, key=lambda r: np.mean(r["losses"][-10:]))
+    draft, before, args.init_layers = best["draft"], best["val_before"], best["layers"]
+    train_s = time.time() - t1
+    after = evaluate(draft)
+    log(f"trained {step} steps in {train_s:.0f}s; val after: {after}")
+
+    own = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
+           if not k.startswith(("embed_tokens", "lm_head"))}
+    save_file(own, out / "model.safetensors", metadata={"format": "pt"})
+    config = hf.config.to_dict()
+    config.update(num_hidden_layers=len(args.init_layers), torch_dtype="bfloat16", dtype="bfloat16")
+    config["triforce_draft"] = {
+        "name": args.name, "shares_target_embedding": True, "target": src.name, "vocab_sha256": vocab_digest(tok),
+        "init_layers": args.init_layers, "own_parameters": n_params, "sink": args.sink, "window": args.window,
+        "temperatures": args.temps, "steps": step, "seed": args.seed}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    report = {"command": " ".join(sys.argv), "args": vars(args), "device": torch.cuda.get_device_name() if
+              dev.type == "cuda" else "cpu", "torch": torch.__version__, "generation_seconds": round(gen_s, 1),
+              "train_seconds": round(train_s, 1), "steps": step, "answer_tokens": n_ans,
+              "train_sequences": len(seqs[0]), "val_sequences": len(seqs[1]), "val_before": before,
+              "val_after": after, "history": history, "log": log_lines}
+    (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(f"saved {out}: {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB, total {time.time() - t_start:.0f}s")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m core.distill", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="stage", required=True)
+    a = sub.add_parser("prepare", help="gather offline text and build prompts (CPU)")
+    a.add_argument("--out", default=".carry/data")
+    a.add_argument("--target", default=None, help="target whose tokenizer to use (default: the embedded one)")
+    a.add_argument("--prompts", type=int, default=2048)
+    a.add_argument("--val-prompts", type=int, default=64)
+    a.add_argument("--min-doc", type=int, default=160)
+    a.add_argument("--max-doc", type=int, default=1200)
+    a.add_argument("--cap-per-group", type=int, default=1_500_000, help="characters per source group")
+    a.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("train", help="sample answers from the target and distil the draft (GPU)")
+    t.add_argument("--data", default=".carry/data")
+    t.add_argument("--target", default=None, help="target model: .gguf, directory or hub id (default: embedded)")
+    t.add_argument("--out", default="out/draft")
+    t.add_argument("--device", default=None)
+    t.add_argument("--name", default="SmolLM2-135M TriForce draft")
+    t.add_argument("--init", type=lambda v: [int(x) for x in v.split(",")], nargs="+",
+                   default=[[0, 29], [0, 1], [0, 15]], help="candidate target-layer inits, e.g. 0,29 0,1")
+    t.add_argument("--trial-steps", type=int, default=40, help="steps all candidates train before the best continues")
+    t.add_argument("--sink", type=int, default=16)
+    t.add_argument("--window", type=int, default=240)
+    t.add_argument("--temps", type=float, nargs="+", default=[1.0, 0.6])
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=30)
+    t.add_argument("--seqs", type=int, default=16, help="target sequences per step")
+    t.add_argument("--windows", type=int, default=64, help="draft windows per step")
+    t.add_argument("--answer-share", type=float, default=0.75)
+    t.add_argument("--steps", type=int, default=0, help="0: train for --train-seconds")
+    t.add_argument("--train-seconds", type=float, default=200)
+    t.add_argument("--answer-tokens", type=int, default=224)
+    t.add_argument("--gen-batch", type=int, default=256)
+    t.add_argument("--gen-seconds", type=float, default=90)
+    t.add_argument("--max-prompts", type=int, default=0, help="use only this many prompts (smoke tests)")
+    t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    prepare(args) if args.stage == "prepare" else train(args)
+
+
+if __name__ == "__main__":
+    main()
