@@ -102,7 +102,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: to
 @triton.jit
 def _rms_norm_kernel(X, W, Y, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     """One row: w * (x * rsqrt(mean(x^2) + eps)) computed in float32, rounded to x's dtype before the weight."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(X + row * N + cols, mask=ok, other=0.0).to(tl.float32)
@@ -123,7 +123,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _rope_kernel(X, Cos, Sin, Y, stride_xn, stride_xh, H: tl.constexpr, HALF: tl.constexpr):
     """One (token, head): y = x * cos + rotate_half(x) * sin, written head-major."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
     x1 = tl.load(X + t * stride_xn + h * stride_xh + i).to(tl.float32)
@@ -192,7 +192,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 @triton.jit
 def _silu_mul_kernel(X, Y, I: tl.constexpr, BLOCK: tl.constexpr):
     """silu(gate) * up for one row block of X = [gate | up]."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # n * 2I passes 2^31 for long prefill chunks
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
     g = tl.load(X + row * 2 * I + cols, mask=ok, other=0.0).to(tl.float32)
