@@ -16,7 +16,7 @@ from core.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
 from core.events import Event, Finished, Loading, PrefillProgress, PromptReady, Stats
 from core.kvcache import CachePool, KVCache
 from core.levels import Level
-from core.loading import check_tokenizers, default_device, default_dtype, load_model
+from core.loading import default_device, default_draft, default_dtype, load_draft, load_model
 from core.model import Transformer
 from core.output import Output
 from core.prompting import build_prompt
@@ -43,7 +43,8 @@ class Engine:
     def load(cls, target: str | None = None, draft: str | None = None, device: str | None = None,
              dtype: str | None = None, context_length: int | None = None, rope_scaling: dict | None = None,
              progress=None) -> "Engine":
-        """Load (once per process for the same arguments) target and draft; None target = the embedded default."""
+        """Load (once per process for the same arguments) target and draft; None target = the embedded default,
+        whose draft defaults to the one shipped in assets/draft ("" or "none": no draft model)."""
         key = (target, draft, device, dtype, context_length, repr(rope_scaling))
         if key in _LOADED:
             return _LOADED[key]
@@ -53,12 +54,11 @@ class Engine:
             progress(Loading("target", 0.0))
         model, tok, src = load_model(target, dev, dt, rope_scaling)
         draft_model, draft_name = None, None
+        draft = default_draft(target) if draft is None else None if draft in ("", "none") else draft
         if draft:
             if progress:
                 progress(Loading("draft", 0.5))
-            draft_model, draft_tok, dsrc = load_model(draft, dev, dt)
-            check_tokenizers(tok, src.name, draft_tok, dsrc.name)
-            draft_name = dsrc.name
+            draft_model, draft_name = load_draft(draft, model, tok, src.name, dev, dt)
         ctx = context_length or model.args.max_position
         engine = cls(model, tok, src.name, draft_model, draft_name, ctx)
         engine.info = {

