@@ -103,20 +103,18 @@ class Engine:
         target = Level(model, self._full_cache(ids, cfg), [])
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for progress in self._prefill(target, ids, cfg, t0):
-                yield progress
-            out = Output(self.tokenizer, cfg, model.eos_ids)
-            tally = Tally()
-            if cfg.method == "ar":
-                loop = autoregressive(target, ids, cfg, generator, out)
-            else:
-                loop = triforce(target, ids, self._drafter(cfg, ids, generator), cfg, generator, out, tally,
-                                self.pool)
-            prefill_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            forwards_before = target.forwards
-            yield from loop
+        for progress in self._prefill(target, ids, cfg, t0):
+            yield progress
+        out = Output(self.tokenizer, cfg, model.eos_ids)
+        tally = Tally()
+        if cfg.method == "ar":
+            loop = autoregressive(target, ids, cfg, generator, out)
+        else:
+            loop = triforce(target, ids, self._drafter(cfg, ids, generator), cfg, generator, out, tally, self.pool)
+        prefill_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        forwards_before = target.forwards
+        yield from loop
         decode_s = time.perf_counter() - t1
         n = len(out.ids)
         forwards = target.forwards - forwards_before

@@ -142,7 +142,9 @@ def load_model(source: str | None, device: torch.device, dtype: torch.dtype,
     with torch.device("meta"):
         model = Transformer(config)
     model.load_hf_state_dict(hf.state_dict())
-    model = model.to(device=device, dtype=dtype).eval()
+    # Inference only: no autograd state anywhere, so no thread-local mode (inference_mode, no_grad) is needed
+    # when a generation is resumed from another thread (Gradio advances generators from worker threads).
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cuda":
         model.fuse_projections()
     model.eos_ids = _eos_ids(hf, tok)
