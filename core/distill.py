@@ -405,13 +405,18 @@ def train(args) -> None:
 
     own = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
            if not k.startswith(("embed_tokens", "lm_head"))}
+    if args.int8:  # matrices as int8 rows + a bf16 scale per row (more layers under the 20 MB asset limit)
+        for k in [k for k, v in own.items() if v.dim() == 2]:
+            w = own[k].float()
+            scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8)
+            own[k], own[k + ".scale"] = (w / scale).round().to(torch.int8), scale.to(torch.bfloat16)
     save_file(own, out / "model.safetensors", metadata={"format": "pt"})
     config = hf.config.to_dict()
     config.update(num_hidden_layers=len(args.init_layers), torch_dtype="bfloat16", dtype="bfloat16")
     config["triforce_draft"] = {
         "name": args.name, "shares_target_embedding": True, "target": src.name, "vocab_sha256": vocab_digest(tok),
         "init_layers": args.init_layers, "own_parameters": n_params, "sink": args.sink, "window": args.window,
-        "temperatures": args.temps, "steps": step, "seed": args.seed}
+        "temperatures": args.temps, "steps": step, "seed": args.seed, "int8": args.int8}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     report = {"command": " ".join(sys.argv), "args": vars(args), "device": torch.cuda.get_device_name() if
               dev.type == "cuda" else "cpu", "torch": torch.__version__, "generation_seconds": round(gen_s, 1),
@@ -459,6 +464,7 @@ def main(argv=None) -> None:
     t.add_argument("--gen-seconds", type=float, default=90)
     t.add_argument("--max-prompts", type=int, default=0, help="use only this many prompts (smoke tests)")
     t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--int8", action="store_true", help="store matrices as int8 + per-row scale (half the size)")
     t.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     prepare(args) if args.stage == "prepare" else train(args)

@@ -195,8 +195,11 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
     with torch.device("meta"):
         draft = Transformer(AutoConfig.from_pretrained(config_file.parent))
     draft.embed_tokens, draft.lm_head = target.embed_tokens, target.lm_head
-    missing, unexpected = draft.load_state_dict(load_file(config_file.parent / "model.safetensors"), strict=False,
-                                                assign=True)
+    state = load_file(config_file.parent / "model.safetensors")
+    for k in [k for k in state if k.endswith(".scale")]:  # int8 rows with a per-row scale (core.distill --int8)
+        scale = state.pop(k)
+        state[k.removesuffix(".scale")] = state[k.removesuffix(".scale")].to(scale.dtype) * scale
+    missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {"embed_tokens.weight", "lm_head.weight"}:
         raise ValueError(f"{source}: weights do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)

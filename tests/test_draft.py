@@ -43,3 +43,20 @@ def test_greedy_triforce_with_the_draft_equals_ar(embedded):
                             if isinstance(e, Finished))
     assert runs["triforce"].token_ids == runs["ar"].token_ids
     assert runs["triforce"].stats.level1_proposed > 0
+
+
+def test_int8_draft_loads_close_to_bf16(embedded, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    own = load_file(DRAFT_DIR / "model.safetensors")
+    for k in [k for k, v in own.items() if v.dim() == 2]:  # the format core.distill --int8 writes
+        w = own[k].float()
+        scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8)
+        own[k], own[k + ".scale"] = (w / scale).round().to(torch.int8), scale.to(torch.bfloat16)
+    save_file(own, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((DRAFT_DIR / "config.json").read_text())
+    draft, _ = load_draft(str(tmp_path), embedded.target, embedded.tokenizer, "target", embedded.target.device,
+                          embedded.target.dtype)
+    for a, b in zip(draft.parameters(), embedded.draft.parameters()):
+        assert (a - b).abs().max() <= 0.01 * b.abs().max()
