@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from core import cuda_graphs
@@ -26,7 +28,7 @@ class Level:
         self.tokens = list(tokens)  # the sequence the cache holds keys/values for
         self.forwards = 0
 
-    def logits(self, seq: list[int], n_last: int, trusted: int = 0, extra: list[int] = ()) -> torch.Tensor:
+    def logits(self, seq: list[int], n_last: int, trusted: int = 0, extra: Sequence[int] = ()) -> torch.Tensor:
         """Float32 logits [n_last, V] predicting the tokens after each of the last n_last positions of seq + extra.
 
         `trusted`: a length up to which seq is known to equal what this level saw before (skips comparing it).

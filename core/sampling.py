@@ -47,9 +47,11 @@ def speculative_verify(draft: list[int], q: torch.Tensor | None, p: torch.Tensor
     Returns (accepted count, next token): a sample from the residual after the first rejection, else a bonus
     token from p's last row. The accepted tokens followed by the next token are distributed exactly as p.
     """
-    rows = list(range(len(draft)))
-    both = torch.stack([p[rows, draft], q[rows, draft] if q is not None else torch.ones_like(p[rows, draft])])
-    pxs, qxs = both.tolist() if draft else ([], [])  # one device sync for the whole draft
+    pxs, qxs = [], []
+    if draft:  # one device sync for the whole draft, not two per token
+        rows = list(range(len(draft)))
+        px_all = p[rows, draft]
+        pxs, qxs = torch.stack([px_all, q[rows, draft] if q is not None else torch.ones_like(px_all)]).tolist()
     for i, (x, px, qx) in enumerate(zip(draft, pxs, qxs)):
         if px >= qx or float(torch.rand((), generator=generator, device=p.device)) * qx < px:
             continue
