@@ -2,6 +2,7 @@
 distribution; the same test fails when level 2 resamples from its own p instead of the residual (the reference
 code's bias)."""
 
+import os
 import time
 from collections import Counter
 
@@ -19,6 +20,7 @@ from tests.stats import chi_square_p
 from tests.tiny import tiny_config, tiny_pair
 
 VOCAB = 10
+DEVICE = os.environ.get("TRIFORCE_TEST_DEVICE", "cpu")  # "cuda": the same test through the GPU kernels and graphs
 DRAWS = 10000  # exact sampler: enough to see a small bias
 BIASED_DRAWS = 3000  # the reference code's bias is large (total variation ~0.07 here)
 
@@ -33,6 +35,7 @@ class DigitTokenizer:
 def tiny_engine() -> tuple[Engine, list[int]]:
     _, target = tiny_pair(tiny_config(vocab=VOCAB, layers=1), seed=0, scale=4.0)
     _, draft = tiny_pair(tiny_config(vocab=VOCAB, layers=1), seed=1, scale=4.0)
+    target, draft = target.to(DEVICE), draft.to(DEVICE)
     target.eos_ids = set()
     prompt = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(5)).tolist()
     return Engine(target, DigitTokenizer(), "tiny", draft, "tiny-draft", 256), prompt
@@ -63,8 +66,8 @@ def target_pairs(engine: Engine, prompt: list[int]) -> dict:
 
     def dist(seq):
         a = m.args
-        cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, len(seq), torch.float32, "cpu")
-        return distributions(m(torch.tensor(seq), cache, 1), cfg)[0]
+        cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, len(seq), torch.float32, m.device)
+        return distributions(m(torch.tensor(seq, device=m.device), cache, 1), cfg)[0]
 
     first = dist(prompt)
     return {(a, b): float(first[a]) * float(pb) for a in range(VOCAB) for b, pb in enumerate(dist(prompt + [a]))}
