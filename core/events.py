@@ -112,7 +112,25 @@ class StepTiming(Event):
 
 
 @dataclass
-class Stats:
+class Acceptance:
+    """Tokens each level proposed to the level above, and how many that level accepted."""
+
+    level1_proposed: int = 0
+    level1_accepted: int = 0
+    level2_proposed: int = 0
+    level2_accepted: int = 0
+
+    @property
+    def level1_acceptance(self) -> float:
+        return self.level1_accepted / self.level1_proposed if self.level1_proposed else 0.0
+
+    @property
+    def level2_acceptance(self) -> float:
+        return self.level2_accepted / self.level2_proposed if self.level2_proposed else 0.0
+
+
+@dataclass(kw_only=True)
+class Stats(Acceptance):
     """Figures of a finished generation."""
 
     method: str
@@ -126,24 +144,12 @@ class Stats:
     time_to_first_token_s: float
     target_forwards: int
     tokens_per_target_forward: float
-    level1_proposed: int = 0
-    level1_accepted: int = 0
-    level2_proposed: int = 0
-    level2_accepted: int = 0
     cache_bytes: int = 0
     retrieval_cache_bytes: int = 0
     stop_reason: str = ""
     device: str = ""
     dtype: str = ""
     settings: dict = field(default_factory=dict)
-
-    @property
-    def level1_acceptance(self) -> float:
-        return self.level1_accepted / self.level1_proposed if self.level1_proposed else 0.0
-
-    @property
-    def level2_acceptance(self) -> float:
-        return self.level2_accepted / self.level2_proposed if self.level2_proposed else 0.0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "level1_acceptance": self.level1_acceptance,

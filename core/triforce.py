@@ -11,7 +11,7 @@ import torch
 
 from core.config import GenerationConfig
 from core.drafters import Drafter
-from core.events import DraftProposal, Event, Provenance, RetrievalSelection, StepTiming, Verdict
+from core.events import Acceptance, DraftProposal, Event, Provenance, RetrievalSelection, StepTiming, Verdict
 from core.kvcache import CachePool, KVCache
 from core.levels import Level, common_prefix
 from core.output import Output
@@ -20,13 +20,9 @@ from core.sampling import distributions, residual_distribution, speculative_veri
 
 
 @dataclass
-class Tally:
+class Tally(Acceptance):
     """Counters of one TriForce run."""
 
-    level1_proposed: int = 0
-    level1_accepted: int = 0
-    level2_proposed: int = 0
-    level2_accepted: int = 0
     level2_forwards: int = 0
     retrieval_bytes: int = 0
 
