@@ -338,10 +338,11 @@ def hf_real_ar_ms(engine: Engine, length: int) -> float:
     return ms
 
 
-def real(gguf: str, contexts: list[int], new_tokens: int, rope: dict, with_hf: bool) -> dict:
+def real(gguf: str, contexts: list[int], new_tokens: int, rope: dict, with_hf: bool, draft: str | None,
+         budget: int, reselect: str | int) -> dict:
     """Part 2: end-to-end AR vs TriForce on the embedded model at long contexts, with real acceptance."""
     top = max(contexts) + new_tokens + 1024
-    engine = Engine.load(gguf, device="cuda", dtype="bfloat16", context_length=top,
+    engine = Engine.load(gguf, draft, device=DEV.type, dtype="bfloat16", context_length=top,
                          rope_scaling={**rope, "max_position_embeddings": top})
     engine.target.eos_ids = set()  # always generate new_tokens (a benchmark, not an answer)
     engine_drafter = "model" if engine.draft is not None else "ngram"
@@ -350,7 +351,8 @@ def real(gguf: str, contexts: list[int], new_tokens: int, rope: dict, with_hf: b
         doc = document(engine, ctx - 200)
         for sampling in ({"greedy": True}, {"temperature": 0.6, "top_p": 0.9}):
             name = "greedy" if sampling.get("greedy") else "t0.6_p0.9"
-            base = dict(max_new_tokens=new_tokens, budget=4096, chunk_size=8, gamma1=2, gamma2=6, seed=0, **sampling)
+            base = dict(max_new_tokens=new_tokens, budget=budget, chunk_size=8, gamma1=2, gamma2=6, seed=0,
+                        reselect=reselect, **sampling)
             first, _ = finish(engine, doc, GenerationConfig(method="ar", **base))  # also captures graphs: warm-up
             finish(engine, doc, GenerationConfig(method="triforce", **base))
             ar, _ = finish(engine, doc, GenerationConfig(method="ar", **base))
@@ -369,11 +371,41 @@ def real(gguf: str, contexts: list[int], new_tokens: int, rope: dict, with_hf: b
         if with_hf:
             rows[-1]["hf_ar_ms"] = rows[-2]["hf_ar_ms"] = hf_real_ar_ms(engine, len(engine._prefilled[0]) - 1)
             print(json.dumps({"context": ctx, "hf_ar_ms": rows[-1]["hf_ar_ms"]}), flush=True)
+    draft_name = engine.info["draft"]
     del engine
     free()
     return {"model": "SmolLM2-135M-Instruct Q4_1 GGUF (dequantised, bf16)", "rope_scaling": rope,
-            "drafter": engine_drafter, "budget": 4096, "chunk_size": 8, "gamma1": 2, "gamma2": 6,
+            "drafter": engine_drafter, "draft": draft_name, "budget": budget, "reselect": reselect,
+            "chunk_size": 8, "gamma1": 2, "gamma2": 6,
             "rows": rows, "traces": traces}
+
+
+def sweep(gguf: str, ctx: int, new_tokens: int, rope: dict, draft: str | None, budgets: list[int],
+          reselects: list[str | int]) -> dict:
+    """Retrieval settings for the real model: acceptance per level and tokens/s for each budget x re-selection."""
+    top = ctx + new_tokens + 1024
+    engine = Engine.load(gguf, draft, device=DEV.type, dtype="bfloat16", context_length=top,
+                         rope_scaling={**rope, "max_position_embeddings": top})
+    engine.target.eos_ids = set()
+    doc, rows = document(engine, ctx - 200), []
+    for sampling in ({"greedy": True}, {"temperature": 0.6, "top_p": 0.9}):
+        base = dict(max_new_tokens=new_tokens, chunk_size=8, gamma1=2, gamma2=6, seed=0, **sampling)
+        finish(engine, doc, GenerationConfig(method="ar", **base))
+        ar = finish(engine, doc, GenerationConfig(method="ar", **base))[0].stats
+        for budget in budgets:
+            for reselect in reselects:
+                cfg = GenerationConfig(method="triforce", budget=budget, reselect=reselect, **base)
+                finish(engine, doc, cfg)  # graphs for this budget
+                t = finish(engine, doc, cfg)[0].stats
+                rows.append({"context": t.prompt_tokens, "sampling": "greedy" if "greedy" in sampling else "t0.6_p0.9",
+                             "budget": budget, "reselect": reselect, "speedup": t.tokens_per_s / ar.tokens_per_s,
+                             "triforce_tok_s": t.tokens_per_s, "ar_tok_s": ar.tokens_per_s,
+                             "level1_acceptance": t.level1_acceptance, "level2_acceptance": t.level2_acceptance,
+                             "tokens_per_target_forward": t.tokens_per_target_forward})
+                print(json.dumps(rows[-1]), flush=True)
+    del engine
+    free()
+    return {"draft": draft, "new_tokens": new_tokens, "rows": rows}
 
 
 # --- replay of a real trace on the 7B shape -------------------------------------------------------------------------
@@ -434,6 +466,49 @@ def replay(trace: list[tuple[int, int, int]], ctx: int) -> dict:
             "ar_ms": ar_ms, "speedup": ar_ms * made / (seconds * 1e3)}
 
 
+def profile(ctx: int) -> dict:
+    """Where a step's time goes at the 7B shape: per-kernel device time of one AR step and one level-2 step (budget
+    4096), eager and replayed from a CUDA graph, beside the step's wall time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    _, model = build_7b()
+    a = model.args
+    full = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, ctx + 2048, BF16, DEV)
+    fill_random(full, ctx)
+    prompt = [100 + i % 30000 for i in range(ctx)]
+    out = {"context": ctx}
+    activity = ProfilerActivity.CUDA if DEV.type == "cuda" else ProfilerActivity.CPU
+    with torch.inference_mode():
+        index = ChunkIndex.build(full, ctx, 8)
+        rcache = retrieval_cache(full, index, 4096, 2048)
+        queries = torch.randn(a.n_layers, a.n_kv_heads, a.head_dim, device=DEV)
+        gather_selection(full, index, select_chunks(index, queries, chunks_to_keep(index, 4096)), rcache)
+        for name, cache in (("ar", full), ("l2", rcache)):
+            level = Level(model, cache, prompt)
+            for graphs in (False, True):
+                cuda_graphs.ENABLED = graphs
+                wall = ar_step_ms(level, prompt, reps=10)
+                with torch_profile(activities=[activity]) as prof:
+                    for _ in range(5):
+                        level.logits(prompt + [7], 1, len(prompt))
+                    torch.cuda.synchronize()
+                rows = []
+                for e in prof.key_averages():
+                    us = getattr(e, "device_time_total", 0) if DEV.type == "cuda" else e.self_cpu_time_total
+                    if us > 0 and e.count:
+                        rows.append({"kernel": e.key[:90], "us_per_step": us / 5, "per_step": e.count / 5})
+                rows.sort(key=lambda r: -r["us_per_step"])
+                total = sum(r["us_per_step"] for r in rows)
+                key = f"{name}_{'graph' if graphs else 'eager'}"
+                out[key] = {"wall_ms": wall, "kernel_ms": total / 1e3, "kernels_per_step": sum(r["per_step"] for r in rows),
+                            "top": rows[:14]}
+                print(key, json.dumps(out[key], indent=0), flush=True)
+            cuda_graphs.ENABLED = True
+    del full, rcache, index, model
+    free()
+    return out
+
+
 def closed_form(level_ms: dict, trace: list[tuple[int, int, int]]) -> float:
     """Speedup from level latencies x the trace's counts: AR time of its tokens / (l2 forwards + l3 forwards),
     every level-2 forward priced as a 3-token verification."""
@@ -452,6 +527,9 @@ def main() -> None:
     p.add_argument("--gguf", default="/tmp/smol/model.gguf")
     p.add_argument("--rope", default='{"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 8192}')
     p.add_argument("--no-hf-real", action="store_true")
+    p.add_argument("--draft", default=None, help="level-1 draft for the real part (e.g. assets/draft; default: none)")
+    p.add_argument("--budget", type=int, default=4096, help="retrieval budget of the real part")
+    p.add_argument("--reselect", default="once", help="re-selection of the real part: once, every_verify or N")
     p.add_argument("--out", default=None, help="result file (default bench/results/<gpu>-<date>.json)")
     args = p.parse_args()
     name = torch.cuda.get_device_name().replace(" ", "-")
@@ -490,13 +568,21 @@ def main() -> None:
         summary.update(prefill_120k_s=ok[best], prefill_120k_variant=best)
         save()
     if "real" in args.parts:
+        reselect = int(args.reselect) if args.reselect.isdigit() else args.reselect
         result["real"] = rl = real(args.gguf, args.real_contexts, args.new_tokens, json.loads(args.rope),
-                                   not args.no_hf_real)
+                                   not args.no_hf_real, args.draft, args.budget, reselect)
         top = [r for r in rl["rows"] if r["context"] == max(r["context"] for r in rl["rows"])]
         sampled = top[-1]  # the paper's setting (temperature 0.6, top-p 0.9) at the longest context
         summary.update(e2e_speedup_real=sampled["speedup"], e2e_context_real=sampled["context"],
                        e2e_speedup_real_greedy=top[0]["speedup"], ar_ms_real_128k=top[0]["ar_ms_per_token"],
                        hf_ar_ms_real_128k=top[0].get("hf_ar_ms"))
+        save()
+    if "sweep" in args.parts:
+        result["sweep_real"] = sweep(args.gguf, args.real_contexts[-1], 128, json.loads(args.rope), args.draft,
+                                     [4096, 16384], ["once", "every_verify", 8])
+        save()
+    if "profile" in args.parts:
+        result["profile_7b"] = profile(args.contexts[-1])
         save()
     if "replay" in args.parts and "real" in result:
         traces = result["real"]["traces"]

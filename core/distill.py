@@ -187,21 +187,30 @@ def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
     return _norm(x, model.norm)
 
 
-def make_draft(target, layers: list[int]):
-    """A Transformer with len(layers) layers copied from the target's, its final norm, and the target's embedding."""
+def make_draft(target, layers: list[int], shared: int = 0):
+    """A Transformer whose first `shared` layers ARE the target's (frozen, not stored), followed by own layers
+    copied from the target's `layers`, the target's final norm and the target's embedding and LM head."""
     import copy
 
     from core.model import Transformer
     config = copy.deepcopy(target.config)
-    config.num_hidden_layers = len(layers)
+    config.num_hidden_layers = shared + len(layers)
     draft = Transformer(config)
     for i, j in enumerate(layers):
-        draft.layers[i].load_state_dict(target.layers[j].state_dict())
+        draft.layers[shared + i].load_state_dict(target.layers[j].state_dict())
     draft.norm.load_state_dict(target.norm.state_dict())
     draft = draft.float().to(target.device)
+    for i in range(shared):
+        draft.layers[i] = target.layers[i]
     draft.embed_tokens = target.embed_tokens  # shared and frozen
     draft.lm_head = target.lm_head
     return draft
+
+
+def own_parameters(draft, shared: int) -> dict[str, torch.nn.Parameter]:
+    """The draft's own weights (trained and stored): all but the embedding, LM head and the shared layers."""
+    skip = ("embed_tokens", "lm_head", *(f"layers.{i}." for i in range(shared)))
+    return {k: v for k, v in draft.named_parameters() if not k.startswith(skip)}
 
 
 def generate_answers(hf, prompts, settings, batch, max_new, eos_ids, device, time_cap, log):
@@ -345,13 +354,12 @@ def train(args) -> None:
 
     # candidates: each init trains on the same batches for --trial-steps; the lowest recent loss continues
     runs = []
-    for layers in args.init:
-        d = make_draft(target, layers)
-        ps = [p for n, p in d.named_parameters() if not n.startswith(("embed_tokens", "lm_head"))]
-        runs.append({"layers": layers, "draft": d, "params": ps, "losses": [],
+    for shared, layers in args.init:
+        d = make_draft(target, layers, shared)
+        ps = list(own_parameters(d, shared).values())
+        runs.append({"shared": shared, "layers": layers, "draft": d, "params": ps, "losses": [],
                      "opt": torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)})
     head = target.lm_head.weight
-    n_params = sum(p.numel() for p in runs[0]["params"])
     val_wins = sample_windows(seqs[1], random.Random(1), 2, args.sink, args.window, 0.75)
 
     def evaluate(draft):
@@ -367,7 +375,8 @@ def train(args) -> None:
 
     for r in runs:
         r["val_before"] = evaluate(r["draft"])
-        log(f"draft {n_params / 1e6:.2f}M own params, init from target layers {r['layers']}: val {r['val_before']}")
+        log(f"draft: target layers 0..{r['shared'] - 1} shared + {sum(p.numel() for p in r['params']) / 1e6:.2f}M "
+            f"own params initialised from target layers {r['layers']}: val {r['val_before']}")
     per_seq = max(1, args.windows // args.seqs)
     t1, step, history = time.time(), 0, []
     while True:
@@ -376,7 +385,8 @@ def train(args) -> None:
             break
         if step == args.trial_steps and len(runs) > 1:
             runs.sort(key=lambda r: np.mean(r["losses"][-10:]))
-            log("trial: " + ", ".join(f"{r['layers']} loss {np.mean(r['losses'][-10:]):.3f}" for r in runs))
+            log("trial: " + ", ".join(f"{r['shared']}+{r['layers']} loss {np.mean(r['losses'][-10:]):.3f}"
+                                      for r in runs))
             runs = runs[:1]
         frac = step / args.steps if args.steps else elapsed / args.train_seconds
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1))))
@@ -398,13 +408,13 @@ def train(args) -> None:
             history.append({"step": step, "seconds": round(time.time() - t1, 1), "lr": lr, "loss": loss.item(), **st})
             log(f"  step {step} {time.time() - t1:.0f}s loss {loss.item():.3f} top1 {st['top1']:.3f}")
     best = min(runs, key=lambda r: np.mean(r["losses"][-10:]))
-    draft, before, args.init_layers = best["draft"], best["val_before"], best["layers"]
+    draft, before, args.init_layers, args.shared = best["draft"], best["val_before"], best["layers"], best["shared"]
+    n_params = sum(p.numel() for p in best["params"])
     train_s = time.time() - t1
     after = evaluate(draft)
     log(f"trained {step} steps in {train_s:.0f}s; val after: {after}")
 
-    own = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
-           if not k.startswith(("embed_tokens", "lm_head"))}
+    own = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in own_parameters(draft, args.shared).items()}
     if args.int8:  # matrices as int8 rows + a bf16 scale per row (more layers under the 20 MB asset limit)
         for k in [k for k, v in own.items() if v.dim() == 2]:
             w = own[k].float()
@@ -412,10 +422,11 @@ def train(args) -> None:
             own[k], own[k + ".scale"] = (w / scale).round().to(torch.int8), scale.to(torch.bfloat16)
     save_file(own, out / "model.safetensors", metadata={"format": "pt"})
     config = hf.config.to_dict()
-    config.update(num_hidden_layers=len(args.init_layers), torch_dtype="bfloat16", dtype="bfloat16")
+    config.update(num_hidden_layers=args.shared + len(args.init_layers), torch_dtype="bfloat16", dtype="bfloat16")
     config["triforce_draft"] = {
         "name": args.name, "shares_target_embedding": True, "target": src.name, "vocab_sha256": vocab_digest(tok),
-        "init_layers": args.init_layers, "own_parameters": n_params, "sink": args.sink, "window": args.window,
+        "shared_layers": args.shared, "init_layers": args.init_layers, "own_parameters": n_params,
+        "sink": args.sink, "window": args.window,
         "temperatures": args.temps, "steps": step, "seed": args.seed, "int8": args.int8}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     report = {"command": " ".join(sys.argv), "args": vars(args), "device": torch.cuda.get_device_name() if
@@ -425,6 +436,12 @@ def train(args) -> None:
               "val_after": after, "history": history, "log": log_lines}
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"saved {out}: {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB, total {time.time() - t_start:.0f}s")
+
+
+def candidate(spec: str) -> tuple[int, list[int]]:
+    """'S+a,b' -> (S shared target layers, own layers initialised from target layers a, b); 'a,b' -> (0, [a, b])."""
+    shared, _, own = spec.rpartition("+")
+    return int(shared or 0), [int(x) for x in own.split(",")]
 
 
 def main(argv=None) -> None:
@@ -446,8 +463,9 @@ def main(argv=None) -> None:
     t.add_argument("--out", default="out/draft")
     t.add_argument("--device", default=None)
     t.add_argument("--name", default="SmolLM2-135M TriForce draft")
-    t.add_argument("--init", type=lambda v: [int(x) for x in v.split(",")], nargs="+",
-                   default=[[0, 29], [0, 1], [0, 15]], help="candidate target-layer inits, e.g. 0,29 0,1")
+    t.add_argument("--init", type=candidate, nargs="+", default=[candidate("6+6,7"), candidate("6+28,29")],
+                   help="candidate drafts S+a,b,..: the target's first S layers shared, then own layers initialised "
+                        "from target layers a,b,..; e.g. 6+28,29 4+4,5,28,29 0,29")
     t.add_argument("--trial-steps", type=int, default=40, help="steps all candidates train before the best continues")
     t.add_argument("--sink", type=int, default=16)
     t.add_argument("--window", type=int, default=240)

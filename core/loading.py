@@ -195,17 +195,24 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
     with torch.device("meta"):
         draft = Transformer(AutoConfig.from_pretrained(config_file.parent))
     draft.embed_tokens, draft.lm_head = target.embed_tokens, target.lm_head
+    shared = meta.get("shared_layers", 0)  # the target's first layers, used as they are (not stored)
+    for i in range(shared):
+        draft.layers[i] = target.layers[i]
     state = load_file(config_file.parent / "model.safetensors")
+    prefixes = tuple(f"layers.{i}." for i in range(shared))
+    clash = [k for k in state if k.startswith(prefixes)]  # never overwrite the target's own weights
     for k in [k for k in state if k.endswith(".scale")]:  # int8 rows with a per-row scale (core.distill --int8)
         scale = state.pop(k)
         state[k.removesuffix(".scale")] = state[k.removesuffix(".scale")].to(scale.dtype) * scale
-    missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
+    missing, unexpected = ([], clash) if clash else draft.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not k.startswith(prefixes)]
     if unexpected or set(missing) - {"embed_tokens.weight", "lm_head.weight"}:
         raise ValueError(f"{source}: weights do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cuda" and hasattr(draft, "fuse_projections"):
         draft.fuse_projections()
-    return draft, f"{meta.get('name', config_file.parent.name)} ({meta['own_parameters'] / 1e6:.1f}M + target's embedding)"
+    reused = f"target's embedding + {shared} layers" if shared else "target's embedding"
+    return draft, f"{meta.get('name', config_file.parent.name)} ({meta['own_parameters'] / 1e6:.1f}M + {reused})"
 
 
 def default_device() -> torch.device:

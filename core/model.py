@@ -281,6 +281,8 @@ class Transformer(nn.Module):
         """One GEMM for q/k/v and one for gate/up per layer (fewer, larger kernels for decoding on a GPU)."""
         for block in self.layers:
             att, mlp = block.self_attn, block.mlp
+            if att.wqkv is not None:  # a layer shared with (and already fused by) the target
+                continue
             att.wqkv, att.bqkv = fuse_linears(att.q_proj, att.k_proj, att.v_proj)
             mlp.w13, _ = fuse_linears(mlp.gate_proj, mlp.up_proj)
 

@@ -19,12 +19,25 @@ def distributions(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if cfg.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-        sorted_p = sorted_p.masked_fill(before >= cfg.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = nucleus(probs, cfg.top_p)
     return probs
+
+
+def nucleus(probs: torch.Tensor, top_p: float, head: int = 256) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens holding top_p of the mass (a token stays while the mass strictly
+    before it is < top_p), renormalised. On a CPU a partial sort of the `head` most likely tokens replaces the full
+    sort whenever they already hold top_p (the same set: every later token has >= top_p before it)."""
+    sorted_p = None
+    if probs.device.type == "cpu" and probs.shape[-1] > head:
+        sorted_p, order = probs.topk(head, dim=-1)
+        if not bool((sorted_p.sum(-1) >= top_p).all()):
+            sorted_p = None
+    if sorted_p is None:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

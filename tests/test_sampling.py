@@ -5,7 +5,7 @@ from collections import Counter
 import torch
 
 from core.config import GenerationConfig
-from core.sampling import distributions, speculative_verify
+from core.sampling import distributions, nucleus, speculative_verify
 from tests.stats import chi_square_p
 
 V = 6
@@ -53,3 +53,17 @@ def test_top_p_top_k_and_temperature():
     assert kept.tolist() == [1.0, 0.0, 0.0, 0.0]
     cold = distributions(logits, GenerationConfig(temperature=0.5, top_p=1.0))[0]
     assert cold[0] > 0.5 and abs(float(cold.sum()) - 1) < 1e-6
+
+
+def test_partial_sort_nucleus_equals_full_sort():
+    g = torch.Generator().manual_seed(0)
+    fallbacks = 0
+    for scale in (0.1, 1.0, 3.0, 8.0):  # flat (the head of 256 holds < top_p: full sort) to peaked
+        logits = torch.randn(4, 5000, generator=g) * scale
+        probs = logits.softmax(-1)
+        for top_p in (0.5, 0.9, 0.99):
+            fallbacks += bool((probs.topk(256).values.sum(-1) < top_p).any())
+            fast, full = nucleus(probs, top_p), nucleus(probs, top_p, head=5000)
+            assert torch.equal(fast > 0, full > 0)
+            torch.testing.assert_close(fast, full)
+    assert 0 < fallbacks < 12  # both paths were exercised
