@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from core import cuda_graphs
 from core.config import GenerationConfig
-from core.engine import Engine
+from core.engine import Engine, default_prefill_chunk
 from core.events import Finished, Verdict
 from core.kvcache import KVCache, StreamingCache
 from core.levels import Level
@@ -157,6 +157,14 @@ def build_7b() -> tuple[torch.nn.Module, Transformer]:
     return hf, ours.eval()
 
 
+def llama_68m() -> Transformer:
+    """A level-1 draft of the paper's size (llama-68m shape, random bf16 weights)."""
+    with torch.device(DEV):
+        draft = Transformer(LlamaConfig(**LLAMA_68M)).to(BF16).eval()
+    draft.fuse_projections()
+    return draft
+
+
 def fill_random(cache: KVCache, length: int) -> None:
     """Pretend `length` prompt tokens are cached: random keys/values (latency does not depend on values)."""
     for layer in range(cache.k.shape[0]):
@@ -201,10 +209,7 @@ def synthetic(contexts: list[int], bw: float) -> dict:
     a = model.args
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 2
-    draft_cfg = LlamaConfig(**LLAMA_68M)
-    with torch.device(DEV):
-        draft = Transformer(draft_cfg).to(BF16).eval()
-    draft.fuse_projections()
+    draft = llama_68m()
     draft_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
     rows = []
     for ctx in contexts:
@@ -216,7 +221,7 @@ def synthetic(contexts: list[int], bw: float) -> dict:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             full.record_rows = 1
-            list(level.prefill(prompt, 8192))
+            list(level.prefill(prompt, default_prefill_chunk(model)))  # as the engine prefills
             full.record_rows = 0
             torch.cuda.synchronize()
             row["prefill_s"] = time.perf_counter() - t0
@@ -413,8 +418,10 @@ def sweep(gguf: str, ctx: int, new_tokens: int, rope: dict, draft: str | None, b
 def replay(trace: list[tuple[int, int, int]], ctx: int) -> dict:
     """Part 3: replay a real run's schedule on the 7B shape at `ctx` (random weights): each level-2 forward with the
     recorded proposal count and acceptance, each level-3 verification with the recorded acceptance; against our
-    AR there. Level 1 of the real run (prompt lookup) costs no GPU time and is not replayed."""
+    AR there. Each drafted token costs one level-1 step of a llama-68m-shape draft over a 256-token StreamingLLM
+    cache (the paper's level 1)."""
     _, model = build_7b()
+    tiny = llama_68m()
     a = model.args
     full = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, ctx + 2048, BF16, DEV)
     fill_random(full, ctx)
@@ -432,6 +439,8 @@ def replay(trace: list[tuple[int, int, int]], ctx: int) -> dict:
         prompt = fresh(ctx + 1)  # the cache holds all but the last prompt token
         target, l2 = Level(model, full, prompt[:-1]), Level(model, rcache, prompt[:-1])
         ar_ms = ar_step_ms(target, prompt[:-1])
+        l1 = Level(tiny, StreamingCache(2, 12, 64, 16, 240, 16, tiny.rotary, BF16, DEV), [])
+        list(l1.prefill(prompt[:256], 256))
 
         def verify(level: Level, seq: list[int], n: int, trusted: int) -> None:
             distributions(level.logits(seq, n, trusted), cfg)[:, 0].tolist()
@@ -441,6 +450,8 @@ def replay(trace: list[tuple[int, int, int]], ctx: int) -> dict:
             for level, proposed, accepted in trace:
                 if level == 2:
                     proposals = fresh(proposed)
+                    for token in proposals:  # level 1 drafts them one by one
+                        verify(l1, l1.tokens + [token], 1, len(l1.tokens))
                     verify(l2, seq + draft + proposals, proposed + 1, len(seq))
                     draft += proposals[:accepted] + fresh(1)
                 else:
@@ -460,7 +471,7 @@ def replay(trace: list[tuple[int, int, int]], ctx: int) -> dict:
         made = run()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-    del target, l2, full, rcache, index, model
+    del target, l2, l1, full, rcache, index, model, tiny
     free()
     return {"context": ctx, "tokens": made, "seconds": seconds, "ms_per_token": seconds * 1e3 / made,
             "ar_ms": ar_ms, "speedup": ar_ms * made / (seconds * 1e3)}
@@ -510,11 +521,12 @@ def profile(ctx: int) -> dict:
 
 
 def closed_form(level_ms: dict, trace: list[tuple[int, int, int]]) -> float:
-    """Speedup from level latencies x the trace's counts: AR time of its tokens / (l2 forwards + l3 forwards),
-    every level-2 forward priced as a 3-token verification."""
+    """Speedup from level latencies x the trace's counts: AR time of its tokens / (l1 steps + l2 forwards + l3
+    forwards), every level-2 forward priced as a 3-token verification."""
+    l1 = sum(proposed for lv, proposed, _ in trace if lv == 2)
     l2 = sum(1 for lv, _, _ in trace if lv == 2)
     l3 = [acc + 1 for lv, _, acc in trace if lv == 3]
-    cost = l2 * level_ms["l2_verify3_ms"] + len(l3) * level_ms["l3_verify_ms"]
+    cost = l1 * level_ms["l1_step_ms"] + l2 * level_ms["l2_verify3_ms"] + len(l3) * level_ms["l3_verify_ms"]
     return level_ms["ar_ms"] * sum(l3) / cost
 
 

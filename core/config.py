@@ -48,7 +48,8 @@ class GenerationConfig:
     sink_tokens: int = 16
     window_tokens: int = 240
     ngram_max: int = 4
-    prefill_chunk: int = 2048
+    draft_confidence: float = 0.0  # the model drafter stops proposing when its top probability falls below this
+    prefill_chunk: int | None = None  # tokens per prefill forward; None: 2048 on a CPU, as many as fit on a GPU
 
     def validate(self) -> "GenerationConfig":
         """Raise TriForceError naming the first bad setting; return self when all are valid."""
@@ -71,7 +72,9 @@ class GenerationConfig:
             (self.overflow in ("truncate", "refuse"), f"overflow must be 'truncate' or 'refuse', got {self.overflow!r}"),
             (self.sink_tokens >= 1 and self.window_tokens >= 1, "sink_tokens and window_tokens must be >= 1"),
             (self.ngram_max >= 1, f"ngram_max must be >= 1, got {self.ngram_max}"),
-            (self.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {self.prefill_chunk}"),
+            (0 <= self.draft_confidence < 1, f"draft_confidence must be in [0, 1), got {self.draft_confidence}"),
+            (self.prefill_chunk is None or self.prefill_chunk >= 1,
+             f"prefill_chunk must be >= 1 or None, got {self.prefill_chunk}"),
         ]
         for ok, message in checks:
             if not ok:

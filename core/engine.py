@@ -25,6 +25,18 @@ from core.triforce import Tally, triforce
 _LOADED: dict[tuple, "Engine"] = {}
 
 
+def default_prefill_chunk(model: Transformer) -> int:
+    """Tokens per prefill forward: 2048 on a CPU (a progress event each); on a GPU as many as half the free memory
+    holds the activations of (a long prompt in one forward: plain causal attention is the fastest there)."""
+    if model.device.type != "cuda":
+        return 2048
+    a = model.args
+    width = 4 * a.dim + (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + 4 * a.intermediate_size
+    per_token = model.dtype.itemsize * width
+    free, _ = torch.cuda.mem_get_info(model.device)
+    return max(2048, free // 2 // per_token)
+
+
 @dataclass
 class Engine:
     """A target model (and optionally a level-1 draft model) with their tokenizer, ready to generate."""
@@ -107,10 +119,12 @@ class Engine:
             yield progress
         out = Output(self.tokenizer, cfg, model.eos_ids)
         tally = Tally()
+        drafter = None
         if cfg.method == "ar":
             loop = autoregressive(target, ids, cfg, generator, out)
         else:
-            loop = triforce(target, ids, self._drafter(cfg, ids, generator), cfg, generator, out, tally, self.pool)
+            drafter = self._drafter(cfg, ids, generator)
+            loop = triforce(target, ids, drafter, cfg, generator, out, tally, self.pool)
         prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         forwards_before = target.forwards
@@ -124,6 +138,7 @@ class Engine:
             tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
             time_to_first_token_s=(out.first_token_at or t1) - t0, target_forwards=forwards,
             tokens_per_target_forward=n / forwards if forwards else 0.0,
+            level1_steps=getattr(drafter, "steps", 0),
             level1_proposed=tally.level1_proposed, level1_accepted=tally.level1_accepted,
             level2_proposed=tally.level2_proposed, level2_accepted=tally.level2_accepted,
             cache_bytes=target.cache.nbytes, retrieval_cache_bytes=tally.retrieval_bytes, stop_reason=out.stop_reason,
@@ -152,7 +167,7 @@ class Engine:
         self._prefilled = None
         full.truncate(0)
         full.record_rows = 1
-        for done in target.prefill(body, cfg.prefill_chunk):
+        for done in target.prefill(body, cfg.prefill_chunk or default_prefill_chunk(self.target)):
             yield PrefillProgress(done, len(body), time.perf_counter() - t0, full.nbytes)
         full.record_rows = 0
         self._prefilled = (list(ids), full, list(full.queries))

@@ -152,6 +152,13 @@ def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotate(x.transpose(0, 1), cos, sin)
 
 
+def project_add(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+    """residual += proj(x), in place as one GEMM: the add rides in its epilogue (no add kernel, no copy)."""
+    if proj.bias is not None:
+        return residual + proj(x)
+    return residual.addmm_(x, proj.weight.t())
+
+
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input; theirs become views of it (no copy kept)."""
     weight = torch.cat([lin.weight for lin in linears])
@@ -183,7 +190,8 @@ class Attention(nn.Module):
         self.wqkv: torch.Tensor | None = None  # fused q/k/v weight (Transformer.fuse_projections)
         self.bqkv: torch.Tensor | None = None
 
-    def forward(self, x, cos, sin, cache: AttentionCache, layer: int) -> torch.Tensor:
+    def forward(self, x, residual, cos, sin, cache: AttentionCache, layer: int) -> torch.Tensor:
+        """residual + attention output of x [n, dim]."""
         n = x.shape[0]
         a = self.args
         if self.wqkv is not None:
@@ -197,7 +205,7 @@ class Attention(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         out = cache.attend(layer, q, k, v, cos, sin)  # [n_heads, n, head_dim]
-        return self.o_proj(out.transpose(0, 1).reshape(n, a.n_heads * a.head_dim))
+        return project_add(residual, out.transpose(0, 1).reshape(n, a.n_heads * a.head_dim), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -210,14 +218,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
         self.w13: torch.Tensor | None = None  # fused gate/up weight (Transformer.fuse_projections)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + feed-forward output of x [n, dim]."""
         if self.w13 is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return project_add(residual, F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj)
         gate_up = F.linear(x, self.w13)
         if x.is_cuda and (kernels := gpu_kernels()):
-            return self.down_proj(kernels.silu_mul(gate_up))
+            return project_add(residual, kernels.silu_mul(gate_up), self.down_proj)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return project_add(residual, F.silu(gate) * up, self.down_proj)
 
 
 class Block(nn.Module):
@@ -231,8 +240,8 @@ class Block(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x, cos, sin, cache: AttentionCache, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), x, cos, sin, cache, layer)
+        return self.mlp(self.post_attention_layernorm(x), x)
 
 
 class Transformer(nn.Module):
