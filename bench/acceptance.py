@@ -24,7 +24,7 @@ def main() -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--documents", nargs="+", default=HOLDOUT)
-    p.add_argument("--drafters", nargs="+", default=["model", "ngram"])
+    p.add_argument("--drafters", nargs="+", default=["model", "model:0.5", "ngram"])
     p.add_argument("--seeds", type=int, default=1, help="sampled runs per instruction at T=0.6")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
@@ -37,20 +37,22 @@ def main() -> None:
         for instruction in samples[name]:
             for setting, sampling in SETTINGS.items():
                 for seed in range(1 if "greedy" in sampling else args.seeds):
-                    for drafter in args.drafters:
-                        cfg = GenerationConfig(max_new_tokens=args.new_tokens, drafter=drafter, seed=seed, **sampling)
+                    for spec in args.drafters:  # "model:0.5": the model drafter gated at draft confidence 0.5
+                        drafter, _, gate = spec.partition(":")
+                        cfg = GenerationConfig(max_new_tokens=args.new_tokens, drafter=drafter, seed=seed,
+                                               draft_confidence=float(gate or 0), **sampling)
                         s = finish(engine, doc, instruction, cfg).stats
-                        t = totals[(setting, drafter)]
+                        t = totals[(setting, spec)]
                         for i, v in enumerate((s.level1_proposed, s.level1_accepted, s.new_tokens,
                                                s.target_forwards)):
                             t[i] += v
                         runs.append({"document": name, "instruction": instruction, "setting": setting,
-                                     "seed": seed, "drafter": drafter, "prompt_tokens": s.prompt_tokens,
+                                     "seed": seed, "drafter": spec, "prompt_tokens": s.prompt_tokens,
                                      "new_tokens": s.new_tokens, "level1_proposed": s.level1_proposed,
                                      "level1_accepted": s.level1_accepted,
                                      "level2_acceptance": s.level2_acceptance,
                                      "tokens_per_target_forward": s.tokens_per_target_forward})
-                        print(f"{name[:28]:<28} {setting:<14} {drafter:<6} {s.level1_accepted:>4}/"
+                        print(f"{name[:28]:<28} {setting:<14} {spec:<9} {s.level1_accepted:>4}/"
                               f"{s.level1_proposed:<4} {s.level1_acceptance:.3f}", flush=True)
     summary = [{"setting": s, "drafter": d, "level1_proposed": t[0], "level1_accepted": t[1],
                 "level1_acceptance": t[1] / t[0] if t[0] else 0.0, "new_tokens": t[2],
@@ -62,9 +64,9 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nlevel-1 acceptance on held-out documents {', '.join(args.documents)} ({args.new_tokens} new tokens "
           f"per instruction) -> {path}")
-    print(f"{'setting':<14} {'drafter':<7} {'accepted/proposed':>18} {'acceptance':>10} {'tok/fwd':>8}")
+    print(f"{'setting':<14} {'drafter':<9} {'accepted/proposed':>18} {'acceptance':>10} {'tok/fwd':>8}")
     for r in summary:
-        print(f"{r['setting']:<14} {r['drafter']:<7} {r['level1_accepted']:>8}/{r['level1_proposed']:<9} "
+        print(f"{r['setting']:<14} {r['drafter']:<9} {r['level1_accepted']:>8}/{r['level1_proposed']:<9} "
               f"{r['level1_acceptance']:>10.3f} {r['tokens_per_target_forward']:>8.2f}")
 
 

@@ -84,7 +84,7 @@ class ModelDrafter:
         body = prompt[:-1]
         sink, window = cfg.sink_tokens, cfg.window_tokens
         if len(body) <= sink + window:
-            list(self.level.prefill(body, cfg.prefill_chunk))
+            list(self.level.prefill(body, len(body)))
         else:
             list(self.level.prefill(body[:sink], sink))
             cache.skip(len(body) - sink - window)
@@ -95,11 +95,22 @@ class ModelDrafter:
         tokens: list[int] = []
         qs = []
         for _ in range(n):
-            logits = self.level.logits(seq, 1, trusted, tokens)
-            q = distributions(self._align(logits), self.cfg)[0]
+            logits = self._align(self.level.logits(seq, 1, trusted, tokens))
+            q = distributions(logits, self.cfg)[0]
+            if self.cfg.draft_confidence and self._confidence(logits, q) < self.cfg.draft_confidence:
+                break  # stopping depends on the draft alone, so verification stays exact
             tokens.append(sample(q, self.generator))
             qs.append(q)
-        return tokens, torch.stack(qs)
+        return tokens, torch.stack(qs) if qs else None
+
+    @property
+    def steps(self) -> int:
+        """Forwards of the draft model so far (proposed tokens plus steps whose token the confidence gate held back)."""
+        return self.level.forwards
+
+    def _confidence(self, logits: torch.Tensor, q: torch.Tensor) -> float:
+        """The draft's top probability: of its softmax when greedy (q is one-hot then), else of q."""
+        return float((logits.softmax(-1) if self.cfg.is_greedy else q).max())
 
     def _align(self, logits: torch.Tensor) -> torch.Tensor:
         """Map draft logits onto the target's vocabulary size (ids past the draft's vocabulary get -inf)."""

@@ -144,6 +144,7 @@ class Stats(Acceptance):
     time_to_first_token_s: float
     target_forwards: int
     tokens_per_target_forward: float
+    level1_steps: int = 0  # forwards of a level-1 draft model
     cache_bytes: int = 0
     retrieval_cache_bytes: int = 0
     stop_reason: str = ""

@@ -22,7 +22,8 @@ from tests.tiny import tiny_config, tiny_pair
 VOCAB = 10
 DEVICE = os.environ.get("TRIFORCE_TEST_DEVICE", "cpu")  # "cuda": the same test through the GPU kernels and graphs
 DRAWS = 10000  # exact sampler: enough to see a small bias
-BIASED_DRAWS = 3000  # the reference code's bias is large (total variation ~0.07 here)
+BIASED_DRAWS = 3000
+GATED_DRAWS = 4000  # the reference code's bias is large (total variation ~0.07 here)
 
 
 class DigitTokenizer:
@@ -45,11 +46,11 @@ CFG = dict(method="triforce", max_new_tokens=2, budget=8, chunk_size=4, gamma1=2
            temperature=1.0, top_p=1.0, sink_tokens=4, window_tokens=12, reselect="every_verify")
 
 
-def emitted_pairs(engine: Engine, prompt: list[int], draws: int) -> tuple[Counter, dict]:
+def emitted_pairs(engine: Engine, prompt: list[int], draws: int, **extra) -> tuple[Counter, dict]:
     """Counts of the first two emitted tokens over `draws` seeds, and acceptance counters summed over the runs."""
     counts, levels = Counter(), Counter()
     for seed in range(draws):
-        cfg = GenerationConfig(**CFG, seed=seed).validate()
+        cfg = GenerationConfig(**{**CFG, **extra}, seed=seed).validate()
         finished = [e for e in engine._run(Prompt(prompt, len(prompt), 0), cfg) if isinstance(e, Finished)][0]
         counts[tuple(finished.token_ids)] += 1
         levels["l1_proposed"] += finished.stats.level1_proposed
@@ -100,3 +101,16 @@ def test_hierarchy_is_lossless_and_detects_level2_bias(monkeypatch, one_thread):
         biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS)
     p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
     assert p_biased < 1e-6, f"level-2 bias not detected (p={p_biased:.2e})"
+
+
+def test_confidence_gated_drafting_is_lossless(one_thread):
+    engine, prompt = tiny_engine()
+    with torch.no_grad():
+        expected = target_pairs(engine, prompt)
+        _, free = emitted_pairs(engine, prompt, 300)
+        counts, gated = emitted_pairs(engine, prompt, GATED_DRAWS, draft_confidence=0.5)
+    # the gate really drops proposals, and what is still proposed is accepted more often
+    assert gated["l1_proposed"] / GATED_DRAWS < 0.8 * free["l1_proposed"] / 300
+    assert gated["l1_accepted"] / gated["l1_proposed"] > free["l1_accepted"] / free["l1_proposed"]
+    p_ok = chi_square_p(counts, expected, GATED_DRAWS)
+    assert p_ok > 1e-3, f"gated sampler rejected (p={p_ok:.2e})"
