@@ -45,18 +45,30 @@ def test_greedy_triforce_with_the_draft_equals_ar(embedded):
     assert runs["triforce"].stats.level1_proposed > 0
 
 
-def test_int8_draft_loads_close_to_bf16(embedded, tmp_path):
+def test_int8_draft_is_dequantised_and_shares_the_target_layers(embedded):
     import torch
+    from safetensors.torch import load_file
+
+    draft, target = embedded.draft, embedded.target
+    shared = json.loads((DRAFT_DIR / "config.json").read_text())["triforce_draft"]["shared_layers"]
+    assert shared > 0 and all(draft.layers[i] is target.layers[i] for i in range(shared))  # used, not copied
+    stored = load_file(DRAFT_DIR / "model.safetensors")
+    assert not any(k.startswith(f"layers.{i}.") for k in stored for i in range(shared))
+    params = dict(draft.named_parameters())
+    for k in [k for k in stored if k.endswith(".scale")]:  # int8 rows x a bf16 scale per row (core.distill --int8)
+        w = k.removesuffix(".scale")
+        assert stored[w].dtype == torch.int8
+        expected = (stored[w].to(torch.bfloat16) * stored[k]).to(params[w].dtype)
+        assert torch.equal(params[w], expected)
+
+
+def test_draft_file_never_overwrites_shared_target_layers(embedded, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    own = load_file(DRAFT_DIR / "model.safetensors")
-    for k in [k for k, v in own.items() if v.dim() == 2]:  # the format core.distill --int8 writes
-        w = own[k].float()
-        scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8)
-        own[k], own[k + ".scale"] = (w / scale).round().to(torch.int8), scale.to(torch.bfloat16)
-    save_file(own, tmp_path / "model.safetensors")
+    stored = load_file(DRAFT_DIR / "model.safetensors")
+    stored["layers.0.mlp.up_proj.weight"] = embedded.target.layers[0].mlp.up_proj.weight.detach().clone()
+    save_file(stored, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((DRAFT_DIR / "config.json").read_text())
-    draft, _ = load_draft(str(tmp_path), embedded.target, embedded.tokenizer, "target", embedded.target.device,
-                          embedded.target.dtype)
-    for a, b in zip(draft.parameters(), embedded.draft.parameters()):
-        assert (a - b).abs().max() <= 0.01 * b.abs().max()
+    with pytest.raises(ValueError, match="do not fit"):
+        load_draft(str(tmp_path), embedded.target, embedded.tokenizer, "target", embedded.target.device,
+                   embedded.target.dtype)
