@@ -65,6 +65,9 @@ def build_demo() -> gr.Blocks:
                                 gamma2 = gr.Slider(1, 16, 6, step=1, label="γ2 (level-2 tokens per level-3 check)")
                             drafter = gr.Radio(list(DRAFTERS), value="auto", label="Level-1 drafter",
                                                info="auto: the draft model if the preset has one, else n-gram lookup")
+                            draft_confidence = gr.Slider(0, 0.95, 0, step=0.05, label="Draft confidence gate",
+                                                         info="the draft model stops proposing when its top "
+                                                              "probability is below this (0: always γ1 tokens)")
                             with gr.Row():
                                 reselect = gr.Radio(list(RESELECT_POLICIES), value="once", label="Re-select chunks")
                                 reselect_every = gr.Number(8, label="N (rounds)", precision=0, minimum=1)
@@ -124,7 +127,7 @@ def build_demo() -> gr.Blocks:
                 engines = gr.Markdown(elem_id="engines")
 
         settings = [preset_name, max_new_tokens, budget, chunk_size, gamma1, gamma2, drafter, reselect,
-                    reselect_every, temperature, top_p, seed, greedy, overflow]
+                    reselect_every, temperature, top_p, seed, greedy, overflow, draft_confidence]
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document")
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")

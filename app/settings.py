@@ -32,7 +32,7 @@ def _float(name: str, value: float | int | str | None) -> float:
 
 def build_config(method: str, max_new_tokens: float, budget: float, chunk_size: float, gamma1: float, gamma2: float,
                  drafter: str, reselect: str, reselect_every: float, temperature: float, top_p: float, seed: float,
-                 greedy: bool, overflow: str) -> GenerationConfig:
+                 greedy: bool, overflow: str, draft_confidence: float = 0.0) -> GenerationConfig:
     """A validated GenerationConfig from widget values; anything invalid raises TriForceError with the fix."""
     if drafter not in DRAFTERS:
         raise TriForceError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}.")
@@ -45,5 +45,6 @@ def build_config(method: str, max_new_tokens: float, budget: float, chunk_size: 
         chunk_size=_int("chunk size", chunk_size), gamma1=_int("γ1", gamma1), gamma2=_int("γ2", gamma2),
         drafter=None if drafter == "auto" else drafter, reselect=policy,
         temperature=_float("temperature", temperature), top_p=_float("top-p", top_p), seed=_int("seed", seed),
-        greedy=bool(greedy), overflow=overflow)
+        greedy=bool(greedy), overflow=overflow,
+        draft_confidence=_float("draft confidence gate", draft_confidence))
     return config.validate()

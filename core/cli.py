@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--gamma1", type=int, default=2)
         s.add_argument("--gamma2", type=int, default=6)
         s.add_argument("--drafter", choices=["model", "ngram", "none"])
+        s.add_argument("--draft-confidence", type=float, default=0.0,
+                       help="the model drafter stops proposing below this top probability (0: never)")
         s.add_argument("--reselect", type=_reselect, default="once", help="once, every_verify or every N rounds")
         s.add_argument("--temperature", type=float, default=0.6)
         s.add_argument("--top-p", type=float, default=0.9)
@@ -55,7 +57,8 @@ def _config(args, method: str) -> GenerationConfig:
     return GenerationConfig(
         method=method, greedy=args.greedy, max_new_tokens=args.max_new_tokens, budget=args.budget,
         chunk_size=args.chunk_size, gamma1=args.gamma1, gamma2=args.gamma2, drafter=args.drafter,
-        reselect=args.reselect, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        reselect=args.reselect, draft_confidence=args.draft_confidence, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         overflow=args.overflow, stop=args.stop).validate()
 
 
