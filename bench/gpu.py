@@ -109,6 +109,15 @@ def check_kernels() -> dict:
     gu = torch.randn(3, 2 * 1536, device=DEV, dtype=BF16, generator=g)
     ref = F.silu(gu[:, :1536].float()) * gu[:, 1536:].float()
     out["silu_mul"] = float((k.silu_mul(gu).float() - ref).norm() / ref.norm())
+    for m, n_out, k_in, bias, add in ((1, 4096, 11008, False, True), (3, 12288, 4096, True, False),
+                                      (7, 576, 1536, False, True)):
+        x = torch.randn(m, k_in, device=DEV, dtype=BF16, generator=g)
+        w = torch.randn(n_out, k_in, device=DEV, dtype=BF16, generator=g) / k_in ** 0.5
+        b = torch.randn(n_out, device=DEV, dtype=BF16, generator=g) if bias else None
+        r = torch.randn(m, n_out, device=DEV, dtype=BF16, generator=g) if add else None
+        ref = x.double() @ w.double().T + (b.double() if bias else 0) + (r.double() if add else 0)
+        got = k.gemv(x, w, b, r.clone() if add else None).double()
+        out[f"gemv_{m}x{n_out}x{k_in}"] = float((got - ref).norm() / ref.norm())
     out.update(check_graph_decode())
     return out
 
@@ -269,7 +278,8 @@ def synthetic(contexts: list[int], bw: float) -> dict:
         print(json.dumps(row), flush=True)
     del hf, model, draft
     free()
-    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "rows": rows}
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
+            "triton_gemv": bool(gpu_kernels().USE_GEMV), "rows": rows}
 
 
 def prefill_variants(ctx: int) -> dict:

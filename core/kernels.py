@@ -3,6 +3,8 @@ and RoPE in one launch each. Imported lazily (see core.model.gpu_kernels): CPU m
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -206,4 +208,58 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     i = two_i // 2
     y = torch.empty(n, i, dtype=gate_up.dtype, device=gate_up.device)
     _silu_mul_kernel[(n, triton.cdiv(i, 1024))](gate_up.contiguous(), y, I=i, BLOCK=1024, num_warps=4)
+    return y
+
+
+GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                for bn, bk, w, s in ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 256, 8, 4),
+                                     (64, 128, 4, 4), (64, 256, 8, 3))]
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, ADD_TO_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Y[m, n] (+)= sum_k X[m, k] W[n, k] (+ B[n]) for the few rows of a decode step: each program streams BLOCK_N
+    rows of W once for all rows of X, accumulating in float32; ADD_TO_Y adds the result to Y in place."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(X + rows[:, None] * stride_xm + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
+        w = tl.load(W + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < K),
+                    other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out = Y + rows[:, None] * stride_ym + cols[None, :]
+    if ADD_TO_Y:
+        acc += tl.load(out, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+_gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["M", "N", "K"], restore_value=["Y"])(_gemv_kernel)
+GEMV_ROWS = 16  # decode steps (<= MAX_QUERIES tokens); longer inputs go to cuBLAS
+USE_GEMV = os.environ.get("TRIFORCE_GEMV", "1") != "0"  # benchmarks compare it with cuBLAS
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         add_to: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [m, K] @ weight[N, K].T (+ bias) for m <= GEMV_ROWS, as one kernel; with `add_to` [m, N] the result is
+    added to it in place and returned (a residual connection without a separate add or split-K reduction).
+    `config` pins BLOCK_N/BLOCK_K/num_warps/num_stages instead of autotuning (tests)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    x = x.contiguous()
+    y = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=add_to is not None, BLOCK_M=GEMV_ROWS)
+    if config:
+        _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
+    else:
+        _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     return y

@@ -152,8 +152,16 @@ def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotate(x.transpose(0, 1), cos, sin)
 
 
+def decode_gemv(x: torch.Tensor) -> ModuleType | None:
+    """core.kernels when x holds the few rows of a decode step on a GPU and its Triton GEMV is on, else None."""
+    kernels = gpu_kernels() if x.is_cuda else None
+    return kernels if kernels and kernels.USE_GEMV and x.shape[0] <= kernels.GEMV_ROWS else None
+
+
 def project_add(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
-    """residual += proj(x), in place as one GEMM: the add rides in its epilogue (no add kernel, no copy)."""
+    """residual += proj(x), in place as one kernel: the add rides in the GEMM (no add kernel, no copy)."""
+    if kernels := decode_gemv(x):
+        return kernels.gemv(x, proj.weight, proj.bias, add_to=residual)
     if proj.bias is not None:
         return residual + proj(x)
     return residual.addmm_(x, proj.weight.t())
@@ -196,7 +204,9 @@ class Attention(nn.Module):
         a = self.args
         if self.wqkv is not None:
             sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
-            q, k, v = F.linear(x, self.wqkv, self.bqkv).split(sizes, dim=-1)
+            qkv = kernels.gemv(x, self.wqkv, self.bqkv) if (kernels := decode_gemv(x)) else \
+                F.linear(x, self.wqkv, self.bqkv)
+            q, k, v = qkv.split(sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(n, a.n_heads, a.head_dim)
