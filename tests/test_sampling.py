@@ -5,7 +5,7 @@ from collections import Counter
 import torch
 
 from core.config import GenerationConfig
-from core.sampling import distributions, nucleus, speculative_verify
+from core.sampling import distributions, nucleus, sample, speculative_verify
 from tests.stats import chi_square_p
 
 V = 6
@@ -58,12 +58,21 @@ def test_top_p_top_k_and_temperature():
 def test_partial_sort_nucleus_equals_full_sort():
     g = torch.Generator().manual_seed(0)
     fallbacks = 0
-    for scale in (0.1, 1.0, 3.0, 8.0):  # flat (the head of 256 holds < top_p: full sort) to peaked
+    for scale in (0.1, 1.0, 3.0, 8.0):  # flat (the first head of 256 holds < top_p) to peaked
         logits = torch.randn(4, 5000, generator=g) * scale
         probs = logits.softmax(-1)
         for top_p in (0.5, 0.9, 0.99):
             fallbacks += bool((probs.topk(256).values.sum(-1) < top_p).any())
-            fast, full = nucleus(probs, top_p), nucleus(probs, top_p, head=5000)
+            fast, full = nucleus(probs, top_p), nucleus(probs, top_p, heads=())
             assert torch.equal(fast > 0, full > 0)
             torch.testing.assert_close(fast, full)
     assert 0 < fallbacks < 12  # both paths were exercised
+
+
+def test_sample_draws_from_probs_and_never_a_zero():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.0, 0.25, 0.05])
+    g = torch.Generator().manual_seed(0)
+    draws = 20000
+    counts = Counter(sample(probs, g) for _ in range(draws))
+    assert counts[1] == counts[3] == 0
+    assert chi_square_p(counts, {i: float(p) for i, p in enumerate(probs) if p > 0}, draws) > 1e-3
