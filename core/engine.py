@@ -72,10 +72,13 @@ class Engine:
                 progress(Loading("draft", 0.5))
             draft_model, draft_name = load_draft(draft, model, tok, src.name, dev, dt)
         ctx = context_length or model.args.max_position
+        if model.args.attention_window:  # within the window full attention is exact; beyond it would not be
+            ctx = min(ctx, model.args.attention_window)
         engine = cls(model, tok, src.name, draft_model, draft_name, ctx)
         engine.info = {
             "target": src.name, "draft": draft_name, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
-            "context_length": ctx, "target_params": sum(p.numel() for p in model.parameters()),
+            "context_length": ctx, "attention_window": model.args.attention_window,
+            "target_params": sum(p.numel() for p in model.parameters()),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__},
         }

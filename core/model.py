@@ -44,6 +44,14 @@ class AttentionCache(Protocol):
     def end(self) -> None: ...
 
 
+def _sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window if the model attends through one (any layer), else None."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    uses = config.model_type == "mistral" or "sliding_attention" in layer_types
+    return window if window and uses else None
+
+
 @dataclass
 class ModelArgs:
     """Shape of a decoder, read from a transformers config."""
@@ -61,6 +69,7 @@ class ModelArgs:
     qk_norm: bool
     tie_embeddings: bool
     max_position: int
+    attention_window: int | None = None  # sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window)
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> "ModelArgs":
@@ -82,6 +91,7 @@ class ModelArgs:
             qk_norm=model_type == "qwen3",
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position=config.max_position_embeddings,
+            attention_window=_sliding_window(config),
         )
 
 

@@ -119,3 +119,23 @@ def test_local_directory_checkpoint_loads(tmp_path, embedded):
     with torch.no_grad():
         want = hf(ids[None]).logits[0, -1].argmax().item()
     assert events[-1].token_ids[0] == want
+
+
+def test_sliding_window_model_is_limited_to_its_window(tmp_path, embedded):
+    """A Mistral-v0.1-style checkpoint (sliding window) only sees documents that fit its window, where full
+    attention is exact; longer ones are truncated or refused like any overflow."""
+    from core import Engine
+    from core.config import ContextOverflowError
+    from tests.tiny import tiny_config, tiny_pair
+
+    hf, _ = tiny_pair(tiny_config("mistral", vocab=len(embedded.tokenizer), sliding_window=128))
+    hf.save_pretrained(tmp_path)
+    embedded.tokenizer.save_pretrained(tmp_path)
+    engine = Engine.load(str(tmp_path), device="cpu")
+    assert engine.context_length == 128 and engine.info["attention_window"] == 128
+    cfg = dict(max_new_tokens=4, greedy=True, method="ar")
+    finished = list(engine.generate(DOC[:3000], "Go.", GenerationConfig(**cfg)))[-1]
+    assert isinstance(finished, Finished) and finished.stats.dropped_tokens > 0
+    assert len(finished.prompt_ids) + len(finished.token_ids) <= 128
+    with pytest.raises(ContextOverflowError):
+        list(engine.generate(DOC[:3000], "Go.", GenerationConfig(**cfg, overflow="refuse")))
