@@ -1,6 +1,7 @@
 """Prompt building, overflow handling and bad input."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +140,16 @@ def test_sliding_window_model_is_limited_to_its_window(tmp_path, embedded):
     assert len(finished.prompt_ids) + len(finished.token_ids) <= 128
     with pytest.raises(ContextOverflowError):
         list(engine.generate(DOC[:3000], "Go.", GenerationConfig(**cfg, overflow="refuse")))
+
+
+def test_prefill_chunks_default_to_2048_on_cpu_and_follow_the_setting(embedded):
+    from core.engine import default_prefill_chunk
+    from core.events import PrefillProgress
+
+    assert default_prefill_chunk(embedded.target) == 2048
+    doc = (Path(__file__).parent.parent / "assets" / "docs" / "us_constitution.txt").read_text()[:10000]
+    for chunk, instruction in ((None, "Name one thing."), (1000, "Name two things.")):
+        cfg = GenerationConfig(max_new_tokens=1, greedy=True, method="ar", prefill_chunk=chunk)
+        done = [e.done for e in embedded.generate(doc, instruction, cfg) if isinstance(e, PrefillProgress)]
+        step = chunk or 2048
+        assert len(done) > 1 and done[:-1] == [step * (i + 1) for i in range(len(done) - 1)]
