@@ -3,7 +3,10 @@ roofline, each TriForce level, selection, prefill), the real embedded model end 
 TriForce, HF AR), and a replay of its accept/reject trace on the 7B shape.
 
 python -m bench.gpu --gguf /tmp/smol/model.gguf [--parts check synthetic real replay] [--contexts ...]
-Writes bench/results/<gpu>-<date>.json with a top-level "summary".
+    [--draft assets/draft] [--budget 4096] [--reselect once]
+Other parts: prefill (chunking variants at 120K), profile (per-kernel device time of an AR and a level-2 step,
+eager and from a CUDA graph), sweep (retrieval budget x re-selection on the real model). TRIFORCE_GEMV=0 swaps the
+Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>-<date>.json with a top-level "summary".
 """
 
 from __future__ import annotations
