@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.common import DOCS, environment, finish, save
+from bench.common import DOCS, drafter_settings, environment, finish, save
 from core import Engine, GenerationConfig
 from core.distill import HOLDOUT
 
@@ -38,9 +38,8 @@ def main() -> None:
             for setting, sampling in SETTINGS.items():
                 for seed in range(1 if "greedy" in sampling else args.seeds):
                     for spec in args.drafters:  # "model:0.5": the model drafter gated at draft confidence 0.5
-                        drafter, _, gate = spec.partition(":")
-                        cfg = GenerationConfig(max_new_tokens=args.new_tokens, drafter=drafter, seed=seed,
-                                               draft_confidence=float(gate or 0), **sampling)
+                        cfg = GenerationConfig(max_new_tokens=args.new_tokens, seed=seed, **drafter_settings(spec),
+                                               **sampling)
                         s = finish(engine, doc, instruction, cfg).stats
                         t = totals[(setting, spec)]
                         for i, v in enumerate((s.level1_proposed, s.level1_accepted, s.new_tokens,

@@ -32,6 +32,12 @@ def finish(engine: Engine, document: str, instruction: str, cfg: GenerationConfi
     raise RuntimeError("no result")
 
 
+def drafter_settings(spec: str) -> dict:
+    """GenerationConfig fields of a drafter spec: "ngram", "model", or "model:0.5" (gated at draft confidence 0.5)."""
+    drafter, _, gate = spec.partition(":")
+    return {"drafter": drafter, "draft_confidence": float(gate or 0)}
+
+
 def environment() -> dict:
     return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python", "-m", "bench." + Path(sys.argv[0]).stem, *sys.argv[1:]]),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.common import document_of, environment, finish, save
+from bench.common import document_of, drafter_settings, environment, finish, save
 from core import Engine, GenerationConfig
 from core.events import Finished, StepTiming, Verdict
 
@@ -50,8 +50,7 @@ def main() -> None:
                          "tokens_per_s": ar.tokens_per_s, "new_tokens": ar.new_tokens, "prefill_s": ar.prefill_s})
             print(f"{ar.prompt_tokens:>6} {'ar':>9} {str(sampling):>34} {ar.tokens_per_s:6.2f} tok/s")
             for spec in drafters:
-                drafter, _, gate = spec.partition(":")
-                cfg = GenerationConfig(method="triforce", drafter=drafter, draft_confidence=float(gate or 0), **base)
+                cfg = GenerationConfig(method="triforce", **drafter_settings(spec), **base)
                 fin, l1_ms, l2_ms = timed(engine, doc, cfg)
                 s = fin.stats
                 rows.append({"context": s.prompt_tokens, "method": "triforce", "drafter": spec, **sampling,

@@ -169,6 +169,15 @@ def build_7b() -> tuple[torch.nn.Module, Transformer]:
     return hf, ours.eval()
 
 
+def random_retrieval(full: KVCache, ctx: int) -> tuple[ChunkIndex, KVCache]:
+    """A level-2 cache at budget 4096 (chunk 8) over the first ctx cached tokens, selected by a random query."""
+    index = ChunkIndex.build(full, ctx, 8)
+    rcache = retrieval_cache(full, index, 4096, 2048)
+    queries = torch.randn(full.k.shape[0], full.k.shape[1], full.k.shape[-1], device=DEV)
+    gather_selection(full, index, select_chunks(index, queries, chunks_to_keep(index, 4096)), rcache)
+    return index, rcache
+
+
 def llama_68m() -> Transformer:
     """A level-1 draft of the paper's size (llama-68m shape, random bf16 weights)."""
     with torch.device(DEV):
@@ -356,13 +365,19 @@ def hf_real_ar_ms(engine: Engine, length: int) -> float:
     return ms
 
 
+def real_engine(gguf: str, draft: str | None, rope: dict, context: int) -> Engine:
+    """The embedded model from its GGUF in bf16 on the GPU, RoPE-scaled to `context`, generating to max_new_tokens
+    (no end-of-sequence stop: a benchmark, not an answer)."""
+    engine = Engine.load(gguf, draft, device=DEV.type, dtype="bfloat16", context_length=context,
+                         rope_scaling={**rope, "max_position_embeddings": context})
+    engine.target.eos_ids = set()
+    return engine
+
+
 def real(gguf: str, contexts: list[int], new_tokens: int, rope: dict, with_hf: bool, draft: str | None,
          budget: int, reselect: str | int) -> dict:
     """Part 2: end-to-end AR vs TriForce on the embedded model at long contexts, with real acceptance."""
-    top = max(contexts) + new_tokens + 1024
-    engine = Engine.load(gguf, draft, device=DEV.type, dtype="bfloat16", context_length=top,
-                         rope_scaling={**rope, "max_position_embeddings": top})
-    engine.target.eos_ids = set()  # always generate new_tokens (a benchmark, not an answer)
+    engine = real_engine(gguf, draft, rope, max(contexts) + new_tokens + 1024)
     engine_drafter = "model" if engine.draft is not None else "ngram"
     rows, traces = [], {}
     for ctx in contexts:
@@ -401,10 +416,7 @@ def real(gguf: str, contexts: list[int], new_tokens: int, rope: dict, with_hf: b
 def sweep(gguf: str, ctx: int, new_tokens: int, rope: dict, draft: str | None, budgets: list[int],
           reselects: list[str | int]) -> dict:
     """Retrieval settings for the real model: acceptance per level and tokens/s for each budget x re-selection."""
-    top = ctx + new_tokens + 1024
-    engine = Engine.load(gguf, draft, device=DEV.type, dtype="bfloat16", context_length=top,
-                         rope_scaling={**rope, "max_position_embeddings": top})
-    engine.target.eos_ids = set()
+    engine = real_engine(gguf, draft, rope, ctx + new_tokens + 1024)
     doc, rows = document(engine, ctx - 200), []
     for sampling in ({"greedy": True}, {"temperature": 0.6, "top_p": 0.9}):
         base = dict(max_new_tokens=new_tokens, chunk_size=8, gamma1=2, gamma2=6, seed=0, **sampling)
@@ -445,10 +457,7 @@ def replay(trace: list[tuple[int, int, int]], ctx: int) -> dict:
         return [100 + next(counter) % 30000 for _ in range(n)]
 
     with torch.inference_mode():
-        index = ChunkIndex.build(full, ctx, 8)
-        rcache = retrieval_cache(full, index, 4096, 2048)
-        queries = torch.randn(a.n_layers, a.n_kv_heads, a.head_dim, device=DEV)
-        gather_selection(full, index, select_chunks(index, queries, chunks_to_keep(index, 4096)), rcache)
+        index, rcache = random_retrieval(full, ctx)
         prompt = fresh(ctx + 1)  # the cache holds all but the last prompt token
         target, l2 = Level(model, full, prompt[:-1]), Level(model, rcache, prompt[:-1])
         ar_ms = ar_step_ms(target, prompt[:-1])
@@ -503,10 +512,7 @@ def profile(ctx: int) -> dict:
     out = {"context": ctx}
     activity = ProfilerActivity.CUDA if DEV.type == "cuda" else ProfilerActivity.CPU
     with torch.inference_mode():
-        index = ChunkIndex.build(full, ctx, 8)
-        rcache = retrieval_cache(full, index, 4096, 2048)
-        queries = torch.randn(a.n_layers, a.n_kv_heads, a.head_dim, device=DEV)
-        gather_selection(full, index, select_chunks(index, queries, chunks_to_keep(index, 4096)), rcache)
+        index, rcache = random_retrieval(full, ctx)
         for name, cache in (("ar", full), ("l2", rcache)):
             level = Level(model, cache, prompt)
             for graphs in (False, True):

@@ -243,23 +243,19 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
 
 
 _gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["M", "N", "K"], restore_value=["Y"])(_gemv_kernel)
-GEMV_ROWS = 16  # decode steps (<= MAX_QUERIES tokens); longer inputs go to cuBLAS
+GEMV_ROWS = MAX_QUERIES  # decode steps; longer inputs (prefill) go to cuBLAS
 USE_GEMV = os.environ.get("TRIFORCE_GEMV", "1") != "0"  # benchmarks compare it with cuBLAS
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         add_to: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+         add_to: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, K] @ weight[N, K].T (+ bias) for m <= GEMV_ROWS, as one kernel; with `add_to` [m, N] the result is
-    added to it in place and returned (a residual connection without a separate add or split-K reduction).
-    `config` pins BLOCK_N/BLOCK_K/num_warps/num_stages instead of autotuning (tests)."""
+    added to it in place and returned (a residual connection without a separate add or split-K reduction)."""
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
     y = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
     flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=add_to is not None, BLOCK_M=GEMV_ROWS)
-    if config:
-        _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
-    else:
-        _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     return y
