@@ -1,0 +1,96 @@
+"""Launch parameters of the decode kernels, timed on the GPU from CUDA graphs (several weight/cache copies so that
+L2 does not hold them): split-K attention (splits x BLOCK_N x stages) at the real and 7B shapes against the current
+core.kernels.num_splits choice, and the autotuned GEMV's bandwidth. Prints one line per shape.
+
+python -m bench.kernel_sweep
+"""
+
+import itertools
+
+import torch
+import triton
+
+from core import kernels as k
+
+DEV, BF16 = "cuda", torch.bfloat16
+
+
+def graph_us(fn, copies: int, n: int = 24) -> float:
+    """Median microseconds per call of fn(i % copies), 24 calls captured in one CUDA graph."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n):
+            fn(i % copies)
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(10):
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / n)
+    return round(sorted(ts)[5], 1)
+
+
+def attention(q, kc, vc, meta, splits: int, block_n: int, warps: int, stages: int) -> None:
+    """core.kernels.decode_attention with its launch parameters given."""
+    hq, n, d = q.shape
+    hkv, capacity, _ = kc.shape
+    rows = hq // hkv * n
+    block_m = max(16, triton.next_power_of_2(rows))
+    split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    part = torch.empty(hkv, splits, block_m, d, dtype=torch.float32, device=DEV)
+    lse = torch.empty(hkv, splits, block_m, dtype=torch.float32, device=DEV)
+    k._split_kernel[(hkv, splits)](q, kc, vc, meta, part, lse, split_len, d ** -0.5 * 1.4426950408889634,
+                                   rows * d, kc.stride(0), kc.stride(1), part.stride(0), part.stride(1), part.stride(2),
+                                   lse.stride(0), lse.stride(1), N_NEW=n, ROWS=rows, BLOCK_M=block_m,
+                                   BLOCK_N=block_n, D=d, num_warps=warps, num_stages=stages)
+    out = torch.empty(n, hq, d, dtype=BF16, device=DEV)
+    k._reduce_kernel[(hkv, rows)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+                                  lse.stride(1), out.stride(0), out.stride(1), N_NEW=n, GROUP=hq // hkv,
+                                  SPLITS=splits, D=d, num_warps=4)
+
+
+ATTENTION_SHAPES = ((9, 3, 64, 1, 131072, 3), (9, 3, 64, 3, 4200, 30), (32, 32, 128, 1, 122880, 1),
+                    (32, 32, 128, 3, 4200, 8))  # q heads, kv heads, head dim, new tokens, cached keys, copies
+GEMV_SHAPES = ((4096, 4096), (4096, 11008), (12288, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def sweep_attention() -> None:
+    """Every split count x BLOCK_N x stages per shape; the current choice beside the best four."""
+    for hq, hkv, d, n, length, copies in ATTENTION_SHAPES:
+        kcs = [torch.randn(hkv, length + 64, d, device=DEV, dtype=BF16) for _ in range(copies)]
+        vcs = [torch.randn(hkv, length + 64, d, device=DEV, dtype=BF16) for _ in range(copies)]
+        q = torch.randn(hq, n, d, device=DEV, dtype=BF16)
+        meta = torch.tensor([0, length - n], device=DEV)
+        res = []
+        for splits, bn, stages in itertools.product((8, 16, 32, 64, 128, 256, 512), (64, 128), (2, 3)):
+            if (length + 63) // splits >= bn:
+                us = graph_us(lambda i: attention(q, kcs[i], vcs[i], meta, splits, bn, 4, stages), copies)
+                res.append((us, splits, bn, 4, stages))
+        res.sort()
+        now = [r for r in res if r[1:] == (k.num_splits(hkv, length + 64), k.BLOCK_N, 4, 3)]
+        mb = hkv * length * d * 4 / 1e6
+        print(f"attention hq{hq} hkv{hkv} d{d} n{n} L{length} ({mb:.0f} MB): current {now} best "
+              f"(us, splits, BLOCK_N, warps, stages) {res[:4]} = {mb / res[0][0]:.2f} TB/s", flush=True)
+
+
+def gemv_bandwidth() -> None:
+    """The autotuned decode GEMV per weight shape, 1 and 3 rows."""
+    for n_out, kin in GEMV_SHAPES:
+        copies = max(2, int(400e6 // (n_out * kin * 2)))
+        ws = [torch.randn(n_out, kin, device=DEV, dtype=BF16) for _ in range(copies)]
+        for m in (1, 3):
+            x = torch.randn(m, kin, device=DEV, dtype=BF16)
+            us = graph_us(lambda i: k.gemv(x, ws[i]), copies)
+            print(f"gemv {n_out}x{kin} m{m}: {us} us = {n_out * kin * 2 / us / 1e6:.2f} TB/s", flush=True)
+
+
+if __name__ == "__main__":
+    sweep_attention()
+    gemv_bandwidth()
