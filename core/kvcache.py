@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -11,10 +12,29 @@ from torch.nn.attention.bias import causal_lower_right
 from core.model import Rotary, gpu_kernels, rotate, rotate_heads
 
 
+@functools.cache
+def flash_attn_func() -> Callable | None:
+    """flash_attn.flash_attn_func when the optional flash-attn package imports, else None."""
+    try:
+        from flash_attn import flash_attn_func as func
+    except ImportError:
+        return None
+    return func
+
+
+def flash_attention(q: torch.Tensor) -> Callable | None:
+    """flash-attn's kernel for a multi-token (prefill) step when it is installed and fits q, else None (SDPA)."""
+    fits = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    return flash_attn_func() if fits else None
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
     """Causal GQA attention of n new queries [Hq, n, D] over keys [Hkv, past + n, D] (4-D for SDPA's fast paths)."""
     hq, n, d = q.shape
     hkv = k.shape[0]
+    if n > 1 and (flash := flash_attention(q)):  # [1, tokens, heads, D] views; causal is bottom-right aligned
+        return flash(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                     causal=True)[0].transpose(0, 1)
     if n == 1:  # one query: the group's heads become rows of one KV head, no mask, no K/V expansion
         out = F.scaled_dot_product_attention(q.reshape(1, hkv, hq // hkv, d), k[None], v[None])
         return out.view(hq, 1, d)

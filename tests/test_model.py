@@ -64,3 +64,35 @@ def test_embedded_model_matches_transformers(embedded):
     hf = AutoModelForCausalLM.from_pretrained(_cache_dir(embedded_source()), dtype=torch.float32).eval()
     ids = torch.tensor(embedded.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"])
     check_logits(hf, embedded.target, ids)
+
+
+def flash_reference(q, k, v, causal):
+    """flash-attn's documented semantics on [B, S, H, D] tensors: GQA by head groups, a causal mask aligned to the
+    bottom-right corner (query i sees keys up to i + Sk - Sq)."""
+    assert causal and q.shape[-1] == k.shape[-1] and q.stride(-1) == 1 and k.stride(-1) == 1
+    sq, hq, sk, hkv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    k = k.repeat_interleave(hq // hkv, dim=2).float()
+    v = v.repeat_interleave(hq // hkv, dim=2).float()
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) / q.shape[-1] ** 0.5
+    allowed = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", weights, v).to(q.dtype)
+
+
+def test_prefill_uses_flash_attn_when_installed(monkeypatch):
+    """The optional flash-attn path (prefill on a GPU) hands it the right layout: same output as SDPA."""
+    import core.kvcache as kvcache
+    calls = []
+
+    def fake_flash(q, k, v, causal):
+        calls.append(q.shape)
+        return flash_reference(q, k, v, causal)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 5, 16, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(2, 12, 16, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(2, 12, 16, generator=g, dtype=torch.bfloat16)
+    want = kvcache.attention(q, k, v, past=7)
+    monkeypatch.setattr(kvcache, "flash_attention", lambda q: fake_flash)
+    got = kvcache.attention(q, k, v, past=7)
+    assert calls == [(1, 5, 6, 16)]
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
