@@ -94,14 +94,21 @@ class ModelDrafter:
     def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]:
         tokens: list[int] = []
         qs = []
+        ids = self.level.model.vocab_ids  # a reduced head: sample among its ids, zero mass on the others
         for _ in range(n):
-            logits = self._align(self.level.logits(seq, 1, trusted, tokens))
-            q = distributions(logits, self.cfg)[0]
+            logits = self.level.logits(seq, 1, trusted, tokens)
+            q = distributions(logits if ids is not None else self._align(logits), self.cfg)[0]
             if self.cfg.draft_confidence and self._confidence(logits, q) < self.cfg.draft_confidence:
                 break  # stopping depends on the draft alone, so verification stays exact
-            tokens.append(sample(q, self.generator))
+            x = sample(q, self.generator)
+            tokens.append(int(ids[x]) if ids is not None else x)
             qs.append(q)
-        return tokens, torch.stack(qs) if qs else None
+        if not qs:
+            return tokens, None
+        q = torch.stack(qs)
+        if ids is not None:
+            q = q.new_zeros(len(qs), self.vocab_size).index_copy_(1, ids, q)
+        return tokens, q
 
     @property
     def steps(self) -> int:

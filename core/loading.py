@@ -209,9 +209,13 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
     if unexpected or set(missing) - {"embed_tokens.weight", "lm_head.weight"}:
         raise ValueError(f"{source}: weights do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if head := meta.get("head_vocab"):  # a reduced LM head: the target's rows for the most frequent tokens
+        draft.restrict_head(load_file(config_file.parent / head["file"])["ids"])
     if device.type == "cuda" and hasattr(draft, "fuse_projections"):
         draft.fuse_projections()
     reused = f"target's embedding + {shared} layers" if shared else "target's embedding"
+    if head:
+        reused += f", {head['size']}-token head"
     return draft, f"{meta.get('name', config_file.parent.name)} ({meta['own_parameters'] / 1e6:.1f}M + {reused})"
 
 

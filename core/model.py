@@ -278,6 +278,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, args.head_dim)
+        self.vocab_ids: torch.Tensor | None = None  # the token ids lm_head scores when it covers only some of them
 
     @property
     def device(self) -> torch.device:
@@ -305,6 +306,14 @@ class Transformer(nn.Module):
         if n_logits is not None:
             x = x[-n_logits:]
         return self.lm_head(self.norm(x)).float()
+
+    def restrict_head(self, ids: torch.Tensor) -> None:
+        """Score only the token ids `ids` (a draft's reduced head): logits come in that order, `vocab_ids` maps them
+        back. The rows are copied; the embedding (maybe tied to the old head) is untouched."""
+        weight = self.lm_head.weight.detach()[ids.to(self.device)].clone()
+        self.lm_head = nn.Linear(self.args.dim, len(ids), bias=False, device=self.device, dtype=weight.dtype)
+        self.lm_head.weight = nn.Parameter(weight, requires_grad=False)
+        self.vocab_ids = ids.to(self.device)
 
     def fuse_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up per layer (fewer, larger kernels for decoding on a GPU)."""

@@ -1,10 +1,12 @@
 """The level-1 draft shipped in assets/draft: loaded by default with the embedded target, small, sharing the
-target's embedding and LM head, refused for another tokenizer, and lossless (greedy TriForce == AR)."""
+target's embedding and the rows of its LM head it scores, refused for another tokenizer, and lossless (greedy
+TriForce == AR)."""
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from core import GenerationConfig
 from core.config import TokenizerMismatchError
@@ -18,7 +20,10 @@ def test_shipped_draft_is_loaded_small_and_shares_the_embedding(embedded):
     draft, target = embedded.draft, embedded.target
     assert draft is not None and "draft" in embedded.info["draft"]
     assert draft.embed_tokens is target.embed_tokens
-    assert draft.lm_head.weight is target.lm_head.weight
+    head = json.loads((DRAFT_DIR / "config.json").read_text())["triforce_draft"]["head_vocab"]
+    ids = draft.vocab_ids  # a reduced head: the target's own rows for the most frequent tokens (and the specials)
+    assert len(ids) == head["size"] < target.args.vocab_size and set(embedded.target.eos_ids) <= set(ids.tolist())
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight[ids])
     assert len(draft.layers) < len(target.layers) and draft.args.dim == target.args.dim
     assert sum(f.stat().st_size for f in DRAFT_DIR.iterdir()) < 20e6
 
@@ -46,7 +51,6 @@ def test_greedy_triforce_with_the_draft_equals_ar(embedded):
 
 
 def test_int8_draft_is_dequantised_and_shares_the_target_layers(embedded):
-    import torch
     from safetensors.torch import load_file
 
     draft, target = embedded.draft, embedded.target

@@ -114,3 +114,24 @@ def test_confidence_gated_drafting_is_lossless(one_thread):
     assert gated["l1_accepted"] / gated["l1_proposed"] > free["l1_accepted"] / free["l1_proposed"]
     p_ok = chi_square_p(counts, expected, GATED_DRAWS)
     assert p_ok > 1e-3, f"gated sampler rejected (p={p_ok:.2e})"
+
+
+def test_reduced_draft_head_is_lossless(one_thread):
+    """A draft head scoring only some token ids proposes only those, with zero mass elsewhere, and stays exact."""
+    engine, prompt = tiny_engine()
+    kept = torch.tensor([0, 2, 3, 5, 7, 8])
+    engine.draft.restrict_head(kept)
+    cfg = GenerationConfig(**CFG).validate()
+    drafter = engine._drafter(cfg, prompt, torch.Generator().manual_seed(0))
+    outside = [i for i in range(VOCAB) if i not in kept.tolist()]
+    with torch.no_grad():
+        for _ in range(20):
+            tokens, q = drafter.propose(prompt, 2, len(prompt) - 1)
+            assert set(tokens) <= set(kept.tolist()) and q.shape == (2, VOCAB)
+            assert float(q[:, outside].sum()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(2))
+            assert all(q[i, t] > 0 for i, t in enumerate(tokens))
+        expected = target_pairs(engine, prompt)
+        counts, levels = emitted_pairs(engine, prompt, GATED_DRAWS)
+    assert 0 < levels["l1_accepted"] < levels["l1_proposed"]
+    p_ok = chi_square_p(counts, expected, GATED_DRAWS)
+    assert p_ok > 1e-3, f"reduced-head sampler rejected (p={p_ok:.2e})"
