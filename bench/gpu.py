@@ -125,8 +125,30 @@ def check_kernels() -> dict:
         ref = x.double() @ w.double().T + (b.double() if bias else 0) + (r.double() if add else 0)
         got = k.gemv(x, w, b, r.clone() if add else None).double()
         out[f"gemv_{m}x{n_out}x{k_in}"] = float((got - ref).norm() / ref.norm())
+    out.update(check_selection())
     out.update(check_graph_decode())
     return out
+
+
+def check_selection() -> dict:
+    """Chunk gather kernel == torch.gather; bf16 chunk means scored in float32 vs float32 means: same chunks?"""
+    g = torch.Generator(DEV).manual_seed(1)
+    full = KVCache(4, 8, 128, 20000, BF16, DEV)
+    full.k.normal_(generator=g)
+    full.v.normal_(generator=g)
+    full.used = 19000
+    index = ChunkIndex.build(full, 19000, 8)
+    queries = torch.randn(4, 8, 128, device=DEV, generator=g)
+    ids = select_chunks(index, queries, 512)
+    exact = ChunkIndex(full.k[:, :, :19000].float().view(4, 8, -1, 8, 128).mean(3), 8, 19000)  # float32 means
+    ref_ids = select_chunks(exact, queries, 512)
+    into = retrieval_cache(full, index, 4096, 16)
+    gather_selection(full, index, ids, into)
+    tokens = (ids[..., None] * 8 + torch.arange(8, device=DEV)).flatten(2)
+    want = torch.gather(full.k[:, :, :19000], 2, tokens[..., None].expand(-1, -1, -1, 128))
+    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids.flatten(0, 1), ref_ids.flatten(0, 1)))
+    return {"gather_chunks_equal": bool(torch.equal(into.k[:, :, :4096], want)),
+            "selection_bf16_means_overlap": same / ids.numel()}
 
 
 def check_graph_decode() -> dict:

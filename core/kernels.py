@@ -268,3 +268,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=add_to is not None, BLOCK_M=GEMV_ROWS)
     _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     return y
+
+
+@triton.jit
+def _gather_chunks_kernel(K, V, Kout, Vout, Ids, n_select, stride_l, stride_h, out_l, out_h,
+                          H: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """One (layer x KV head, j): copy chunk Ids[., j] (ROW = chunk_size x head_dim contiguous elements) of K and V
+    to chunk slot j of Kout and Vout."""
+    lh = tl.program_id(0)
+    j = tl.program_id(1).to(tl.int64)
+    layer, head = (lh // H).to(tl.int64), (lh % H).to(tl.int64)
+    chunk = tl.load(Ids + lh * n_select + j).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < ROW
+    src = layer * stride_l + head * stride_h + chunk * ROW + offs
+    dst = layer * out_l + head * out_h + j * ROW + offs
+    tl.store(Kout + dst, tl.load(K + src, mask=ok), mask=ok)
+    tl.store(Vout + dst, tl.load(V + src, mask=ok), mask=ok)
+
+
+def gather_chunks(k: torch.Tensor, v: torch.Tensor, chunk_ids: torch.Tensor, chunk_size: int, k_out: torch.Tensor,
+                  v_out: torch.Tensor) -> None:
+    """k_out/v_out[l, h, j*cs:(j+1)*cs] = k/v[l, h, id*cs:(id+1)*cs] for id = chunk_ids[l, h, j], caches
+    [layers, kv_heads, capacity, D]: one pass, each chunk a contiguous block (no index tensor per element)."""
+    layers, heads, _, d = k.shape
+    n_select = chunk_ids.shape[-1]
+    row = chunk_size * d
+    _gather_chunks_kernel[(layers * heads, n_select)](k, v, k_out, v_out, chunk_ids.contiguous(), n_select,
+                                                      k.stride(0), k.stride(1), k_out.stride(0), k_out.stride(1),
+                                                      H=heads, ROW=row, BLOCK=triton.next_power_of_2(row),
+                                                      num_warps=4)

@@ -13,7 +13,7 @@ from core.kvcache import CachePool, KVCache
 class ChunkIndex:
     """Mean post-RoPE key of each full chunk of the first `length` cached tokens; the partial tail is always kept."""
 
-    mean_keys: torch.Tensor  # [layers, kv_heads, chunks, head_dim], float32
+    mean_keys: torch.Tensor  # [layers, kv_heads, chunks, head_dim], the cache's dtype
     chunk_size: int
     length: int
 
@@ -27,9 +27,10 @@ class ChunkIndex:
 
     @classmethod
     def build(cls, full: KVCache, length: int, chunk_size: int) -> "ChunkIndex":
+        """Means computed in float32, stored in the cache's dtype (half the memory and read time in bf16)."""
         n = length // chunk_size
         layers, heads, _, d = full.k.shape
-        mean = torch.empty(layers, heads, n, d, dtype=torch.float32, device=full.k.device)
+        mean = torch.empty(layers, heads, n, d, dtype=full.k.dtype, device=full.k.device)
         for layer in range(layers):  # one layer at a time: a float32 copy of a whole long cache would not fit
             keys = full.k[layer, :, :n * chunk_size].float()
             mean[layer] = keys.view(heads, n, chunk_size, d).mean(2)
@@ -41,12 +42,23 @@ def chunks_to_keep(index: ChunkIndex, budget: int) -> int:
     return min(budget // index.chunk_size, index.num_chunks)
 
 
+def chunk_scores(mean_keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """query . mean key [layers, kv_heads, chunks] in float32: one batched GEMV; bf16 means on a GPU are multiplied
+    as they are, with float32 output (ranking thousands of scores needs more than bf16's 8 bits)."""
+    layers, heads, chunks, d = mean_keys.shape
+    m = mean_keys.flatten(0, 1)
+    if m.is_cuda and m.dtype != torch.float32:
+        q = queries.to(m.dtype).flatten(0, 1)[..., None]
+        return torch.bmm(m, q, out_dtype=torch.float32).view(layers, heads, chunks)
+    return torch.bmm(m.float(), queries.float().flatten(0, 1)[..., None]).view(layers, heads, chunks)
+
+
 def select_chunks(index: ChunkIndex, queries: torch.Tensor, n_select: int) -> torch.Tensor:
     """Sorted chunk ids [layers, kv_heads, n_select] with the highest query . mean-key scores; chunk 0 always.
 
     queries: [layers, kv_heads, head_dim], the query heads of each GQA group summed (the sum of the group's scores).
     """
-    scores = torch.einsum("lhd,lhcd->lhc", queries.float(), index.mean_keys)
+    scores = chunk_scores(index.mean_keys, queries)
     if index.num_chunks:
         scores[:, :, 0] = float("inf")  # the attention sink
     return scores.topk(n_select, dim=-1).indices.sort(dim=-1).values
@@ -55,12 +67,15 @@ def select_chunks(index: ChunkIndex, queries: torch.Tensor, n_select: int) -> to
 def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, into: KVCache) -> None:
     """Fill into's head slots with the selected chunks' keys/values, followed by the partial tail chunk."""
     cs = index.chunk_size
-    offsets = torch.arange(cs, device=chunk_ids.device)
-    tokens = (chunk_ids[..., None] * cs + offsets).flatten(2)  # [layers, kv_heads, n_select * cs]
-    n = tokens.shape[-1]
-    idx = tokens[..., None].expand(-1, -1, -1, full.k.shape[-1])
-    torch.gather(full.k[:, :, :index.length], 2, idx, out=into.k[:, :, :n])
-    torch.gather(full.v[:, :, :index.length], 2, idx, out=into.v[:, :, :n])
+    n = chunk_ids.shape[-1] * cs
+    if full.kernels is not None:  # CUDA: one kernel copying whole chunks
+        full.kernels.gather_chunks(full.k, full.v, chunk_ids, cs, into.k, into.v)
+    else:
+        offsets = torch.arange(cs, device=chunk_ids.device)
+        tokens = (chunk_ids[..., None] * cs + offsets).flatten(2)  # [layers, kv_heads, n_select * cs]
+        idx = tokens[..., None].expand(-1, -1, -1, full.k.shape[-1])
+        torch.gather(full.k[:, :, :index.length], 2, idx, out=into.k[:, :, :n])
+        torch.gather(full.v[:, :, :index.length], 2, idx, out=into.v[:, :, :n])
     tail = slice(index.length - index.tail, index.length)
     into.k[:, :, n:n + index.tail] = full.k[:, :, tail]
     into.v[:, :, n:n + index.tail] = full.v[:, :, tail]
