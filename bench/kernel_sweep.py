@@ -8,7 +8,6 @@ python -m bench.kernel_sweep
 import itertools
 
 import torch
-import triton
 
 from core import kernels as k
 
@@ -37,25 +36,6 @@ def graph_us(fn, copies: int, n: int = 24) -> float:
     return round(sorted(ts)[5], 1)
 
 
-def attention(q, kc, vc, meta, splits: int, block_n: int, warps: int, stages: int) -> None:
-    """core.kernels.decode_attention with its launch parameters given."""
-    hq, n, d = q.shape
-    hkv, capacity, _ = kc.shape
-    rows = hq // hkv * n
-    block_m = max(16, triton.next_power_of_2(rows))
-    split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
-    part = torch.empty(hkv, splits, block_m, d, dtype=torch.float32, device=DEV)
-    lse = torch.empty(hkv, splits, block_m, dtype=torch.float32, device=DEV)
-    k._split_kernel[(hkv, splits)](q, kc, vc, meta, part, lse, split_len, d ** -0.5 * 1.4426950408889634,
-                                   rows * d, kc.stride(0), kc.stride(1), part.stride(0), part.stride(1), part.stride(2),
-                                   lse.stride(0), lse.stride(1), N_NEW=n, ROWS=rows, BLOCK_M=block_m,
-                                   BLOCK_N=block_n, D=d, num_warps=warps, num_stages=stages)
-    out = torch.empty(n, hq, d, dtype=BF16, device=DEV)
-    k._reduce_kernel[(hkv, rows)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
-                                  lse.stride(1), out.stride(0), out.stride(1), N_NEW=n, GROUP=hq // hkv,
-                                  SPLITS=splits, D=d, num_warps=4)
-
-
 ATTENTION_SHAPES = ((9, 3, 64, 1, 131072, 3), (9, 3, 64, 3, 4200, 30), (32, 32, 128, 1, 122880, 1),
                     (32, 32, 128, 3, 4200, 8))  # q heads, kv heads, head dim, new tokens, cached keys, copies
 GEMV_SHAPES = ((4096, 4096), (4096, 11008), (12288, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -71,7 +51,7 @@ def sweep_attention() -> None:
         res = []
         for splits, bn, stages in itertools.product((8, 16, 32, 64, 128, 256, 512), (64, 128), (2, 3)):
             if (length + 63) // splits >= bn:
-                us = graph_us(lambda i: attention(q, kcs[i], vcs[i], meta, splits, bn, 4, stages), copies)
+                us = graph_us(lambda i: k.decode_attention(q, kcs[i], vcs[i], meta, splits, bn, stages), copies)
                 res.append((us, splits, bn, 4, stages))
         res.sort()
         now = [r for r in res if r[1:] == (k.num_splits(hkv, length + 64), k.BLOCK_N, 4, 3)]

@@ -12,7 +12,7 @@ import triton.testing
 
 MAX_QUERIES = 16  # decode steps feed at most this many tokens; longer runs (prefill) use SDPA
 BLOCK_N = 64
-TARGET_PROGRAMS = 2 * 132  # two per SM of an H100/H200: more, shorter splits measured slower (bench.gpu profile)
+TARGET_PROGRAMS = 2 * 132  # two per SM of an H100/H200: more, shorter splits measured slower (bench.kernel_sweep)
 
 
 @triton.jit
@@ -76,17 +76,19 @@ def num_splits(n_kv_heads: int, capacity: int) -> int:
     return max(1, min(want, most))
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor, splits: int | None = None,
+                     block_n: int = BLOCK_N, stages: int = 3) -> torch.Tensor:
     """Causal GQA attention of n new queries q [Hq, n, D] over one layer's cache k, v [Hkv, capacity, D] whose
     new keys are already stored at slots meta[1] ... meta[1] + n - 1 (meta on the device: graph-safe).
-    Returns [Hq, n, D] (a transposed view of a [n, Hq, D] buffer)."""
+    Returns [Hq, n, D] (a transposed view of a [n, Hq, D] buffer). The launch parameters default to the tuned ones
+    (bench.kernel_sweep passes others)."""
     hq, n, d = q.shape
     hkv, capacity, _ = k.shape
     group = hq // hkv
     rows = group * n
     block_m = max(16, triton.next_power_of_2(rows))
-    splits = num_splits(hkv, capacity)
-    split_len = triton.cdiv(triton.cdiv(capacity, splits), BLOCK_N) * BLOCK_N
+    splits = splits or num_splits(hkv, capacity)
+    split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     part = torch.empty(hkv, splits, block_m, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(hkv, splits, block_m, dtype=torch.float32, device=q.device)
     q = q.contiguous()
@@ -94,7 +96,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: to
     _split_kernel[(hkv, splits)](q, k, v, meta, part, lse, split_len, scale,
                                  rows * d, k.stride(0), k.stride(1), part.stride(0), part.stride(1), part.stride(2),
                                  lse.stride(0), lse.stride(1), N_NEW=n, ROWS=rows, BLOCK_M=block_m,
-                                 BLOCK_N=BLOCK_N, D=d, num_warps=4, num_stages=3)
+                                 BLOCK_N=block_n, D=d, num_warps=4, num_stages=stages)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     _reduce_kernel[(hkv, rows)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                                 lse.stride(1), out.stride(0), out.stride(1), N_NEW=n, GROUP=group, SPLITS=splits,

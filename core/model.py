@@ -310,10 +310,10 @@ class Transformer(nn.Module):
     def restrict_head(self, ids: torch.Tensor) -> None:
         """Score only the token ids `ids` (a draft's reduced head): logits come in that order, `vocab_ids` maps them
         back. The rows are copied; the embedding (maybe tied to the old head) is untouched."""
-        weight = self.lm_head.weight.detach()[ids.to(self.device)].clone()
+        self.vocab_ids = ids.to(self.device)
+        weight = self.lm_head.weight.detach()[self.vocab_ids].clone()
         self.lm_head = nn.Linear(self.args.dim, len(ids), bias=False, device=self.device, dtype=weight.dtype)
         self.lm_head.weight = nn.Parameter(weight, requires_grad=False)
-        self.vocab_ids = ids.to(self.device)
 
     def fuse_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up per layer (fewer, larger kernels for decoding on a GPU)."""
