@@ -16,6 +16,7 @@ class Output:
         self.ids: list[int] = []
         self.provenance: list[Provenance] = []
         self.text = ""
+        self._prefix_at = self._read_at = 0  # decode only from a few tokens back: linear, not quadratic, in length
         self.stop_reason = ""
         self.first_token_at: float | None = None
 
@@ -45,10 +46,15 @@ class Output:
         return event
 
     def _next_piece(self) -> str:
-        """Text added by the newest token (held back while it ends inside a multi-byte character)."""
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if full.endswith("\ufffd"):
+        """Text added by the newest token (held back while it ends inside a multi-byte character). Decodes the tokens
+        since the last piece together with those before it, so that the tokenizer sees the same context (leading
+        spaces, merged bytes) as when decoding the whole answer."""
+        before = self.tokenizer.decode(self.ids[self._prefix_at:self._read_at], skip_special_tokens=True)
+        now = self.tokenizer.decode(self.ids[self._prefix_at:], skip_special_tokens=True)
+        if now.endswith("\ufffd"):
             return ""
+        self._prefix_at, self._read_at = self._read_at, len(self.ids)
+        full = self.text + now[len(before):]
         piece = full[len(self.text):]
         for stop in self.cfg.stop:
             at = full.find(stop, max(0, len(self.text) - len(stop)))

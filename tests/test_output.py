@@ -36,3 +36,21 @@ def test_stop_string_cuts_text(embedded):
 def test_max_new_tokens(embedded):
     out, _, ids = feed(embedded, "a b c d e f g h i j", GenerationConfig(max_new_tokens=4))
     assert out.stop_reason == "max_new_tokens" and out.ids == ids[:4]
+
+
+def test_each_token_decodes_only_a_few_tokens(embedded):
+    class Counting:  # the tokenizer, counting the tokens it is asked to decode
+        def __init__(self, tok):
+            self.tok, self.decoded = tok, 0
+
+        def decode(self, ids, **kw):
+            self.decoded += len(ids)
+            return self.tok.decode(ids, **kw)
+
+    text = " ".join(["Café ☕ naïve — 東京 and some more words"] * 40)
+    ids = embedded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    tok = Counting(embedded.tokenizer)
+    out = Output(tok, GenerationConfig(max_new_tokens=10_000), set())
+    pieces = [p for i in range(len(ids)) for p in out.add([ids[i]], ["level2"], i).texts]
+    assert "".join(pieces) == embedded.tokenizer.decode(ids) and len(ids) > 400
+    assert tok.decoded < 8 * len(ids)  # decoding the whole answer each time would be len(ids)**2 / 2
