@@ -1,21 +1,25 @@
 """Distil a tiny level-1 draft for a target (default: the embedded SmolLM2-135M-Instruct).
 
-The draft is a Llama-architecture model of the target's width with a few layers of its own; it SHARES the target's
-token embedding and tied LM head (the shipped file holds only its layers and final norm; the loader takes the
-embedding from the target). It is trained on the target's own next-token distributions, KL(target || draft) at one
-or more temperatures, over windows shaped like level 1's StreamingLLM cache: the prompt's first `sink` tokens
-followed by the `window` tokens before a position, while the target sees the whole sequence (prompt + answer).
+The draft is a Llama-architecture model of the target's width: the target's first layers, shared as they are, then
+a few layers of its own; it SHARES the target's token embedding and tied LM head (the shipped file holds only its
+own layers and final norm; the loader takes the rest from the target), and its head scores a reduced vocabulary (the
+most frequent token ids of the training prompts). It is trained on the target's own next-token distributions,
+KL(target || draft) over the head's ids at one or more temperatures, over windows shaped like level 1's StreamingLLM
+cache: the prompt's first `sink` tokens followed by the `window` tokens before a position, while the target sees the
+whole sequence (prompt + answer).
 
-Two stages, both seeded:
+Stages, all seeded:
 
-  python -m core.distill prepare --out .carry/data      # CPU: offline text -> prompts (token ids, sources.json)
-  python -m core.distill train --data .carry/data --target model.gguf --out out/draft   # GPU: answers + training
-  python -m core.distill head-vocab --data .carry/data --draft out/draft --size 16384  # CPU: a reduced LM head
+  python -m core.distill prepare --out .carry/data     # CPU: offline text -> prompts, head ids, sources.json
+  python -m core.distill answers --data .carry/data --target model.gguf --out a.npz     # GPU: the target's answers
+  python -m core.distill train --data .carry/data --target model.gguf [--answers a.npz] [--resume DIR] --out DIR
 
-`prepare` gathers freely licensed text installed on this machine (the bundled documents except the held-out ones,
-Debian licences and copyright files, Python standard-library sources, PyPI packages' README metadata), cuts it into
-documents of random length and wraps each with an instruction in the target's chat template. `train` samples the
-target's answers to those prompts (greedy, T=0.6/top-p 0.9, T=1), then distils. Every text's origin is recorded.
+`prepare` gathers freely licensed text available offline (the bundled documents except the held-out ones, Debian
+licences and copyright files, manual pages, Python standard-library sources, PyPI packages' README metadata, and the
+Debian packages python3.11-doc and debian-reference-en, downloaded from the Debian archive), cuts it into documents
+of random length and wraps each with an instruction in the target's chat template. `answers` (or `train` without
+--answers) samples the target's answers to those prompts (greedy, T=0.6/top-p 0.9, T=1); `train` distils, from the
+target's layers or from an earlier draft (--resume). Every text's origin is recorded.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ import json
 import math
 import os
 import random
+import re
+import subprocess
 import sys
 import time
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -59,41 +66,112 @@ CODE = [
     "Are there any potential bugs or edge cases in this code?", "Explain the code to a beginner.",
     "Write documentation for the main function in this code.", "What does this code return, and when?",
 ]
-GROUP_WEIGHTS = {"assets": 0.3, "common-licenses": 0.15, "debian-copyright": 0.15, "python-stdlib": 0.2,
-                 "pypi-metadata": 0.2}
+GROUP_WEIGHTS = {"assets": 0.15, "common-licenses": 0.07, "debian-copyright": 0.08, "python-stdlib": 0.15,
+                 "pypi-metadata": 0.15, "python-docs": 0.2, "debian-reference": 0.1, "man-pages": 0.1}
+SETTINGS = [(0.0, 1.0), (0.6, 0.9), (1.0, 1.0)]  # (temperature, top-p) of the target's answers, cycling per batch
+HEAD_FILE = "head_vocab.safetensors"
+DEBS = ["python3.11-doc", "debian-reference-en", "debian-reference-common"]  # unpacked into --deb-root by prepare
 
 
 # ---------------------------------------------------------------- prepare (CPU)
 
-def _read(path: Path, limit: int = 400_000) -> str | None:
+def _plain(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+class _HTMLText(HTMLParser):
+    """The visible text of an HTML page (scripts, styles and navigation left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts, self.skip = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        self.skip += tag in ("script", "style", "nav", "head")
+        if tag in ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "pre"):
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        self.skip -= tag in ("script", "style", "nav", "head") and self.skip > 0
+
+    def handle_data(self, data):
+        if not self.skip:
+            self.parts.append(data)
+
+
+def _html(path: Path) -> str:
+    parser = _HTMLText()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return re.sub(r"\n\s*\n+", "\n\n", "".join(parser.parts))
+
+
+def _man(path: Path) -> str:
+    """A manual page rendered to plain text by man(1), indentation removed."""
+    out = subprocess.run(["man", "--nj", "--nh", "-l", str(path)], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "MANWIDTH": "100"}).stdout
+    return "\n".join(line.strip() for line in re.sub(r".\x08", "", out).splitlines())
+
+
+def _read(path: Path, reader, limit: int = 400_000) -> str | None:
     try:
-        text = path.read_text(encoding="utf-8")[:limit]
-    except (UnicodeDecodeError, OSError):
+        text = reader(path)[:limit]
+    except (UnicodeDecodeError, OSError, subprocess.SubprocessError):
         return None
     return text if len(text.strip()) >= 400 else None
 
 
-def gather_texts(cap_per_group: int) -> list[dict]:
-    """Offline, freely licensed texts: [{group, path, licence, text}], the held-out documents left out and any text
-    quoting them dropped."""
+def unpack_debs(deb_root: Path) -> dict[str, str]:
+    """Download the Debian packages DEBS (apt) and unpack them into deb_root unless already there; their versions."""
+    stamp = deb_root / "versions.json"
+    if not stamp.exists():
+        deb_root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["apt-get", "download", *DEBS], cwd=deb_root, check=True, capture_output=True)
+        versions = {}
+        for deb in sorted(deb_root.glob("*.deb")):
+            subprocess.run(["dpkg", "-x", str(deb), str(deb_root)], check=True)
+            versions[deb.name.split("_")[0]] = deb.name.split("_")[1]
+            deb.unlink()
+        stamp.write_text(json.dumps(versions))
+    return json.loads(stamp.read_text())
+
+
+def gather_texts(cap_per_group: int, deb_root: Path, seed: int) -> list[dict]:
+    """Offline, freely licensed texts: [{group, path, licence, text}], each group's files in a seeded random order
+    up to cap_per_group characters, the held-out documents left out and any text quoting them dropped. deb_root
+    holds the Debian packages DEBS unpacked (documentation not installed on this machine)."""
     holdout_text = [(DOCS / n).read_text() for n in HOLDOUT]
     probes = [t[i:i + 60] for t in holdout_text for i in range(0, len(t) - 60, 400)]
     stdlib = Path(os.__file__).parent
     site = Path(np.__file__).parent.parent
+    python_docs = deb_root / "usr/share/doc/python3.11/html/_sources"
+    man = [Path(p) for s in (1, 5, 7, 8) for p in glob.glob(f"/usr/share/man/man{s}/*.gz")]
     candidates = [
-        ("assets", sorted(p for p in DOCS.glob("*.txt") if p.name not in HOLDOUT), "see assets/docs/SOURCES.md"),
-        ("common-licenses", sorted(Path("/usr/share/common-licenses").glob("*")), "the licence texts themselves"),
-        ("debian-copyright", sorted(Path(p) for p in glob.glob("/usr/share/doc/*/copyright")), "Debian copyright files"),
-        ("python-stdlib", sorted(stdlib.glob("*.py")), "PSF-2.0 (CPython standard library)"),
-        ("pypi-metadata", sorted(Path(p) for p in glob.glob(str(site / "*.dist-info" / "METADATA"))),
+        ("assets", [p for p in DOCS.glob("*.txt") if p.name not in HOLDOUT], _plain, "see assets/docs/SOURCES.md"),
+        ("common-licenses", list(Path("/usr/share/common-licenses").glob("*")), _plain,
+         "the licence texts themselves"),
+        ("debian-copyright", [Path(p) for p in glob.glob("/usr/share/doc/*/copyright")], _plain,
+         "Debian copyright files"),
+        ("python-stdlib", list(stdlib.glob("*.py")), _plain, "PSF-2.0 (CPython standard library)"),
+        ("pypi-metadata", [Path(p) for p in glob.glob(str(site / "*.dist-info" / "METADATA"))], _plain,
          "each package's own licence (named in its METADATA)"),
+        # the Python documentation's sources, minus the socket HOWTO (held out) and the socket module's reference
+        ("python-docs", [p for p in python_docs.rglob("*.rst.txt") if "socket" not in p.name], _plain,
+         "PSF-2.0 (Debian package python3.11-doc)"),
+        ("debian-reference", list((deb_root / "usr/share/debian-reference").glob("*.en.html")), _html,
+         "GPL-2+ (Debian package debian-reference-en)"),
+        ("man-pages", man, _man, "each Debian package's own licence (/usr/share/doc/<package>/copyright)"),
     ]
+    rng = random.Random(seed)
     out, seen = [], set()
-    for group, paths, licence in candidates:
+    for group, paths, reader, licence in candidates:
         total = 0
+        paths = sorted(paths)
+        rng.shuffle(paths)
         for path in paths:
-            text = _read(path, cap_per_group)
-            if text is None or total >= cap_per_group:
+            if total >= cap_per_group:
+                break
+            text = _read(path, reader, cap_per_group)
+            if text is None:
                 continue
             digest = hashlib.sha1(text.encode()).hexdigest()
             if digest in seen or any(p in text for p in probes):
@@ -127,10 +205,13 @@ def _prompts_from(texts, tok, n, min_doc, max_doc, rng, instructions_for, split)
 
 
 def prepare(args) -> None:
+    from safetensors.torch import save_file
+
     from core.loading import load_tokenizer
     rng = random.Random(args.seed)
     tok = load_tokenizer(args.target)
-    texts = gather_texts(args.cap_per_group)
+    debs = unpack_debs(Path(args.deb_root))
+    texts = gather_texts(args.cap_per_group, Path(args.deb_root), args.seed)
     kind = lambda t: CODE if t["path"].endswith(".py") else GENERAL
     train = _prompts_from(texts, tok, args.prompts, args.min_doc, args.max_doc, rng, kind, 0)
     held = [{"group": "holdout", "path": str(DOCS / n), "licence": "validation only", "text": (DOCS / n).read_text()}
@@ -143,12 +224,17 @@ def prepare(args) -> None:
     offsets = np.cumsum([0] + [len(p["ids"]) for p in prompts]).astype(np.int64)
     np.savez(out / "prompts.npz", ids=flat, offsets=offsets, split=np.array([p["split"] for p in prompts]))
     used = sorted({p["path"] for p in train})
-    sources = {"holdout_documents_not_trained_on": HOLDOUT, "seed": args.seed, "prompts": len(train),
+    sources = {"holdout_documents_not_trained_on": HOLDOUT, "seed": args.seed, "debian_packages": debs, "prompts": len(train),
                "validation_prompts": len(val), "prompt_tokens": int(offsets[-1]),
                "groups": {g: sum(1 for p in train if p["group"] == g) for g in GROUP_WEIGHTS},
                "licences": {t["group"]: t["licence"] for t in texts},
                "files": [{"path": t["path"], "group": t["group"], "chars": len(t["text"])}
                          for t in texts if t["path"] in used]}
+    head, covered = head_vocab([np.asarray(p["ids"]) for p in train], tok, args.head_size)
+    save_file({"ids": torch.from_numpy(head)}, out / HEAD_FILE)
+    sources["head_vocab"] = {"size": args.head_size, "train_token_coverage": round(covered, 4),
+                             "source": "the most frequent token ids of the training prompts + the tokenizer's "
+                                       "special tokens (core.distill prepare)"}
     (out / "sources.json").write_text(json.dumps(sources, indent=1))
     print(f"{len(texts)} texts, {len(train)} train + {len(val)} val prompts, {int(offsets[-1])} prompt tokens -> {out}")
 
@@ -214,9 +300,16 @@ def own_parameters(draft, shared: int) -> dict[str, torch.nn.Parameter]:
     return {k: v for k, v in draft.named_parameters() if not k.startswith(skip)}
 
 
-def generate_answers(hf, prompts, settings, batch, max_new, eos_ids, device, time_cap, log):
-    """The target's answers to prompts (ids lists), batch by batch; settings cycle per batch."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+
+def generate_answers(hf, prompts, split, settings, batch, max_new, eos_ids, device, time_cap, log):
+    """The target's answers to prompts (ids lists), batch by batch, settings cycling per batch: validation prompts
+    first, then training prompts in a random order (sorted by length within groups of 8 batches, less padding)."""
+    rng = random.Random(0)
+    train = [i for i in range(len(prompts)) if split[i] == 0]
+    rng.shuffle(train)
+    groups = [[i for i in range(len(prompts)) if split[i] == 1]] + \
+             [train[a:a + 8 * batch] for a in range(0, len(train), 8 * batch)]
+    order = [i for g in groups for i in sorted(g, key=lambda i: len(prompts[i]))]
     answers, t0 = [None] * len(prompts), time.time()
     eos = sorted(eos_ids)
     for n, a in enumerate(range(0, len(order), batch)):
@@ -282,40 +375,127 @@ def batch_tensors(seqs, wins, sink, window, device):
     return tgt.to(device), dids.to(device), trow.to(device), tpos.to(device), valid.to(device)
 
 
-def target_logits(target, head, batch) -> torch.Tensor:
-    """The target's logits [W, window, V] at each window's positions, given the whole sequence."""
+def soft_labels(target, head_ids, batch, temps) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's log-probabilities of the head's ids at each window position, per temperature [T, W, window, H]
+    (normalised over the WHOLE vocabulary: ids outside the head keep their mass, which the draft cannot propose),
+    and the target's argmax over the whole vocabulary [W, window]."""
     tgt, _, trow, tpos, _ = batch
     with torch.no_grad():
-        return (hidden_states(target, tgt)[trow[:, None], tpos] @ head.T).float()
+        logits = (hidden_states(target, tgt)[trow[:, None], tpos] @ target.lm_head.weight.T).float()
+        lp = torch.stack([(logits / t)[..., head_ids] - torch.logsumexp(logits / t, -1, keepdim=True) for t in temps])
+        return lp, logits.argmax(-1)
 
 
-def distil_loss(draft, head, batch, tl, temps, sink):
-    """Mean KL(target || draft) over valid window positions, averaged over temperatures; plus agreement stats."""
+def distil_loss(draft, head_ids, batch, labels, temps, sink):
+    """Mean KL(target || draft) over valid window positions, the draft scoring the head's ids only (as it does when
+    decoding), averaged over temperatures; plus top-1 agreement and sum min(p, q) (the expected acceptance of one
+    sampled draft token) at T=1 and 0.6."""
     dids, valid = batch[1], batch[4]
+    lp, top = labels
     with torch.autocast("cuda", torch.bfloat16, enabled=dids.is_cuda):
-        dl = (hidden_states(draft, dids)[:, sink:].to(head.dtype) @ head.T).float()
+        dl = (hidden_states(draft, dids)[:, sink:] @ draft.lm_head.weight[head_ids].T).float()
     m = valid.float()
     loss = 0.0
-    for t in temps:
-        lp, lq = F.log_softmax(tl / t, -1), F.log_softmax(dl / t, -1)
-        loss = loss + ((lp.exp() * (lp - lq)).sum(-1) * m).sum() / m.sum()
+    for i, t in enumerate(temps):
+        lq = F.log_softmax(dl / t, -1)
+        loss = loss + ((lp[i].exp() * (lp[i] - lq)).sum(-1) * m).sum() / m.sum()
     with torch.no_grad():
-        stats = {"top1": ((tl.argmax(-1) == dl.argmax(-1)).float() * m).sum() / m.sum()}
-        for t in (1.0, 0.6):  # expected acceptance of one sampled draft token at temperature t: sum min(p, q)
-            stats[f"overlap_T{t}"] = (torch.minimum((tl / t).softmax(-1), (dl / t).softmax(-1)).sum(-1) * m).sum() / m.sum()
+        stats = {"top1": ((top == head_ids[dl.argmax(-1)]).float() * m).sum() / m.sum()}
+        for t in (1.0, 0.6):
+            p = lp[temps.index(t)].exp() if t in temps else None
+            if p is not None:
+                stats[f"overlap_T{t}"] = (torch.minimum(p, (dl / t).softmax(-1)).sum(-1) * m).sum() / m.sum()
     return loss / len(temps), {k: v.item() for k, v in stats.items()}
 
 
-def train(args) -> None:
-    from safetensors.torch import save_file
-
-    from core.loading import _eos_ids, _from_pretrained, resolve, vocab_digest
+def load_target(source, dev):
+    """The target as transformers' model (for generate) and as core.model.Transformer, its tokenizer and eos ids."""
+    from core.loading import _eos_ids, _from_pretrained, resolve
     from core.model import Transformer
+    src = resolve(source)
+    tok, hf = _from_pretrained(src, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    hf = hf.to(dev).eval()
+    with torch.device("meta"):
+        target = Transformer(hf.config)
+    target.load_hf_state_dict(hf.state_dict())
+    target = target.to(dev, hf.dtype).eval().requires_grad_(False)
+    return src, tok, hf, target, _eos_ids(hf, tok)
+
+
+def load_prompts(data: Path, max_prompts: int) -> tuple[list[list[int]], np.ndarray]:
+    """The prompts of a prepared data directory and their split (0 train, 1 validation)."""
+    npz = np.load(data / "prompts.npz")
+    off, split, flat = npz["offsets"], npz["split"], npz["ids"]
+    prompts = [flat[off[i]:off[i + 1]].astype(np.int64).tolist() for i in range(len(split))]
+    if max_prompts:
+        keep = [i for i in range(len(split)) if split[i] == 0][:max_prompts] + \
+               [i for i in range(len(split)) if split[i] == 1][:max(2, max_prompts // 8)]
+        prompts, split = [prompts[i] for i in keep], split[keep]
+    return prompts, split
+
+
+def save_answers(path: Path, prompts, answers) -> None:
+    """Answers as flat ids + offsets, with the index and a digest of the prompt each answers."""
+    done = [i for i, a in enumerate(answers) if a is not None]
+    flat = [x for i in done for x in answers[i][0]]
+    np.savez(path, index=np.array(done, dtype=np.int64), ids=np.array(flat, dtype=np.int32),
+             offsets=np.cumsum([0] + [len(answers[i][0]) for i in done]).astype(np.int64),
+             temperature=np.array([answers[i][1] for i in done], dtype=np.float32),
+             prompt_digest=np.array([hash_ids(prompts[i]) for i in done], dtype=np.int64))
+
+
+def read_answers(paths: list[str], prompts) -> list:
+    """Answers saved by save_answers for these prompts (a prompt answered in several files keeps the last)."""
+    answers = [None] * len(prompts)
+    for path in paths:
+        npz = dict(np.load(path))  # (each npz[...] would read the file again)
+        off, ids, digest = npz["offsets"], npz["ids"], npz["prompt_digest"]
+        for k, i in enumerate(npz["index"]):
+            if i >= len(prompts) or hash_ids(prompts[i]) != digest[k]:
+                raise ValueError(f"{path} answers other prompts than the data directory's (prompt {i})")
+            answers[i] = (ids[off[k]:off[k + 1]].tolist(), float(npz["temperature"][k]))
+    return answers
+
+
+def hash_ids(ids: list[int]) -> int:
+    return int.from_bytes(hashlib.sha1(np.asarray(ids, dtype=np.int64).tobytes()).digest()[:7], "little")
+
+
+def answers_stage(args) -> None:
+    """Only sample the target's answers (GPU) and save them, for one or more later `train --answers` runs."""
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.time()
+    _, _, hf, _, eos_ids = load_target(args.target, dev)
+    prompts, split = load_prompts(Path(args.data), args.max_prompts)
+    answers = generate_answers(hf, prompts, split, SETTINGS, args.gen_batch, args.answer_tokens, eos_ids, dev,
+                               args.gen_seconds, print)
+    save_answers(Path(args.out), prompts, answers)
+    n = sum(len(a[0]) for a in answers if a)
+    print(f"{sum(a is not None for a in answers)} answers, {n} tokens in {time.time() - t0:.0f}s -> {args.out}")
+
+
+def resumed(target, directory: Path):
+    """A draft saved by train (own layers from its file, int8 made whole) to go on training, its shared count."""
+    from safetensors.torch import load_file
+
+    from core.loading import dequantised
+    meta = json.loads((directory / "config.json").read_text())["triforce_draft"]
+    draft = make_draft(target, meta["init_layers"], meta["shared_layers"])
+    state = {k: v.float() for k, v in dequantised(load_file(directory / "model.safetensors")).items()}
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if unexpected or any(k in missing for k in own_parameters(draft, meta["shared_layers"])):
+        raise ValueError(f"{directory}: weights do not fit a draft of its config")
+    return draft, meta["shared_layers"], meta["init_layers"]
+
+
+def train(args) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from core.loading import vocab_digest
     t_start = time.time()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_lines = []
@@ -324,43 +504,34 @@ def train(args) -> None:
         print(msg, flush=True)
         log_lines.append(msg)
 
-    src = resolve(args.target)
-    tok, hf = _from_pretrained(src, dt)
-    hf = hf.to(dev).eval()
-    with torch.device("meta"):
-        target = Transformer(hf.config)
-    target.load_hf_state_dict(hf.state_dict())
-    target = target.to(dev, dt).eval().requires_grad_(False)
-    eos_ids = _eos_ids(hf, tok)
+    src, tok, hf, target, eos_ids = load_target(args.target, dev)
     log(f"target {src.name} loaded on {dev} in {time.time() - t_start:.0f}s")
-
-    data = np.load(Path(args.data) / "prompts.npz")
-    off, split = data["offsets"], data["split"]
-    prompts = [data["ids"][off[i]:off[i + 1]].astype(np.int64).tolist() for i in range(len(split))]
-    if args.max_prompts:
-        keep = [i for i in range(len(split)) if split[i] == 0][:args.max_prompts] + \
-               [i for i in range(len(split)) if split[i] == 1][:max(2, args.max_prompts // 8)]
-        prompts, split = [prompts[i] for i in keep], split[keep]
-    settings = [(0.0, 1.0), (0.6, 0.9), (1.0, 1.0)]
+    data = Path(args.data)
+    prompts, split = load_prompts(data, args.max_prompts)
     t0 = time.time()
-    answers = generate_answers(hf, prompts, settings, args.gen_batch, args.answer_tokens, eos_ids, dev,
-                               args.gen_seconds, log)
+    if args.answers:
+        answers = read_answers(args.answers, prompts)
+    else:
+        answers = generate_answers(hf, prompts, split, SETTINGS, args.gen_batch, args.answer_tokens, eos_ids, dev,
+                                   args.gen_seconds, log)
+        save_answers(out / "answers.npz", prompts, answers)
     gen_s = time.time() - t0
     seqs = {0: [], 1: []}
-    for p, a, s in zip(prompts, answers, split):
+    for pr, a, s in zip(prompts, answers, split):
         if a is not None:
-            seqs[int(s)].append((p + a[0], len(p)))
+            seqs[int(s)].append((pr + a[0], len(pr)))
     n_ans = sum(len(a[0]) for a in answers if a)
     log(f"answers: {len(seqs[0])} train / {len(seqs[1])} val sequences, {n_ans} answer tokens in {gen_s:.0f}s")
+    head_ids = load_file(data / HEAD_FILE)["ids"].to(dev)
 
     # candidates: each init trains on the same batches for --trial-steps; the lowest recent loss continues
     runs = []
-    for shared, layers in args.init:
-        d = make_draft(target, layers, shared)
+    inits = [resumed(target, Path(args.resume))] if args.resume else \
+        [(make_draft(target, layers, shared), shared, layers) for shared, layers in args.init]
+    for d, shared, layers in inits:
         ps = list(own_parameters(d, shared).values())
         runs.append({"shared": shared, "layers": layers, "draft": d, "params": ps, "losses": [],
                      "opt": torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)})
-    head = target.lm_head.weight
     val_wins = sample_windows(seqs[1], random.Random(1), 2, args.sink, args.window, 0.75)
 
     def evaluate(draft):
@@ -369,7 +540,8 @@ def train(args) -> None:
         with torch.no_grad():
             for a in range(0, len(val_wins), args.windows):
                 b = batch_tensors(seqs[1], val_wins[a:a + args.windows], args.sink, args.window, dev)
-                stats.append(distil_loss(draft, head, b, target_logits(target, head, b), [1.0], args.sink))
+                stats.append(distil_loss(draft, head_ids, b, soft_labels(target, head_ids, b, [1.0, 0.6]),
+                                         [1.0, 0.6], args.sink))
         draft.train()
         return {"kl": float(np.mean([l.item() for l, _ in stats])),
                 **{k: float(np.mean([s[k] for _, s in stats])) for k in stats[0][1]}}
@@ -377,7 +549,8 @@ def train(args) -> None:
     for r in runs:
         r["val_before"] = evaluate(r["draft"])
         log(f"draft: target layers 0..{r['shared'] - 1} shared + {sum(p.numel() for p in r['params']) / 1e6:.2f}M "
-            f"own params initialised from target layers {r['layers']}: val {r['val_before']}")
+            f"own params{' resumed from ' + args.resume if args.resume else ''} (init: target layers {r['layers']}):"
+            f" val {r['val_before']}")
     per_seq = max(1, args.windows // args.seqs)
     t1, step, history = time.time(), 0, []
     while True:
@@ -394,11 +567,11 @@ def train(args) -> None:
         picked = [seqs[0][i] for i in rng.sample(range(len(seqs[0])), min(args.seqs, len(seqs[0])))]
         wins = sample_windows(picked, rng, per_seq, args.sink, args.window, args.answer_share)
         b = batch_tensors(picked, wins, args.sink, args.window, dev)
-        tl = target_logits(target, head, b)
+        labels = soft_labels(target, head_ids, b, args.temps)
         for r in runs:
             for g in r["opt"].param_groups:
                 g["lr"] = lr
-            loss, st = distil_loss(r["draft"], head, b, tl, args.temps, args.sink)
+            loss, st = distil_loss(r["draft"], head_ids, b, labels, args.temps, args.sink)
             r["opt"].zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(r["params"], 1.0)
@@ -409,26 +582,28 @@ def train(args) -> None:
             history.append({"step": step, "seconds": round(time.time() - t1, 1), "lr": lr, "loss": loss.item(), **st})
             log(f"  step {step} {time.time() - t1:.0f}s loss {loss.item():.3f} top1 {st['top1']:.3f}")
     best = min(runs, key=lambda r: np.mean(r["losses"][-10:]))
-    draft, before, args.init_layers, args.shared = best["draft"], best["val_before"], best["layers"], best["shared"]
+    draft, before, init_layers, shared = best["draft"], best["val_before"], best["layers"], best["shared"]
     n_params = sum(p.numel() for p in best["params"])
     train_s = time.time() - t1
     after = evaluate(draft)
     log(f"trained {step} steps in {train_s:.0f}s; val after: {after}")
 
-    own = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in own_parameters(draft, args.shared).items()}
+    own = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in own_parameters(draft, shared).items()}
     if args.int8:  # matrices as int8 rows + a bf16 scale per row (more layers under the 20 MB asset limit)
         for k in [k for k, v in own.items() if v.dim() == 2]:
             w = own[k].float()
             scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8)
             own[k], own[k + ".scale"] = (w / scale).round().to(torch.int8), scale.to(torch.bfloat16)
     save_file(own, out / "model.safetensors", metadata={"format": "pt"})
+    save_file({"ids": head_ids.cpu()}, out / HEAD_FILE)
     config = hf.config.to_dict()
-    config.update(num_hidden_layers=args.shared + len(args.init_layers), torch_dtype="bfloat16", dtype="bfloat16")
+    config.update(num_hidden_layers=shared + len(init_layers), torch_dtype="bfloat16", dtype="bfloat16")
+    head_meta = json.loads((data / "sources.json").read_text())["head_vocab"]
     config["triforce_draft"] = {
         "name": args.name, "shares_target_embedding": True, "target": src.name, "vocab_sha256": vocab_digest(tok),
-        "shared_layers": args.shared, "init_layers": args.init_layers, "own_parameters": n_params,
-        "sink": args.sink, "window": args.window,
-        "temperatures": args.temps, "steps": step, "seed": args.seed, "int8": args.int8}
+        "shared_layers": shared, "init_layers": init_layers, "own_parameters": n_params,
+        "sink": args.sink, "window": args.window, "temperatures": args.temps, "steps": step, "seed": args.seed,
+        "int8": args.int8, "resumed_from": args.resume, "head_vocab": {"file": HEAD_FILE, **head_meta}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     report = {"command": " ".join(sys.argv), "args": vars(args), "device": torch.cuda.get_device_name() if
               dev.type == "cuda" else "cpu", "torch": torch.__version__, "generation_seconds": round(gen_s, 1),
@@ -439,28 +614,15 @@ def train(args) -> None:
     log(f"saved {out}: {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB, total {time.time() - t_start:.0f}s")
 
 
-def head_vocab(args) -> None:
-    """Give a distilled draft a reduced LM head: the --size most frequent token ids of the training prompts plus the
-    tokenizer's special tokens (a level-1 step on a CPU spends about half its time in the full 49K-row head)."""
-    from safetensors.torch import save_file
-
-    from core.loading import load_tokenizer
-    data = np.load(Path(args.data) / "prompts.npz")
-    ids, offsets, split = data["ids"], data["offsets"], data["split"]  # (each data[...] reads the file again)
-    train = np.concatenate([ids[offsets[i]:offsets[i + 1]] for i in np.flatnonzero(split == 0)])
-    tok = load_tokenizer(args.target)
-    counts = np.bincount(train.astype(np.int64), minlength=len(tok))
+def head_vocab(prompts: list[np.ndarray], tok, size: int) -> tuple[np.ndarray, float]:
+    """A reduced LM head for the draft: the `size` most frequent token ids of the training prompts plus the
+    tokenizer's special tokens (a level-1 step on a CPU spent about half its time in the full 49K-row head), sorted;
+    and the share of the prompts' tokens it covers."""
+    train = np.concatenate(prompts).astype(np.int64)
+    counts = np.bincount(train, minlength=len(tok))
     counts[tok.all_special_ids] = counts.max() + 1  # always scored (end of turn, chat markers)
-    head = np.sort(np.argsort(-counts, kind="stable")[:args.size])
-    out = Path(args.draft)
-    save_file({"ids": torch.from_numpy(head)}, out / "head_vocab.safetensors")
-    config = json.loads((out / "config.json").read_text())
-    covered = float(np.isin(train, head).mean())
-    config["triforce_draft"]["head_vocab"] = {
-        "file": "head_vocab.safetensors", "size": int(args.size), "train_token_coverage": round(covered, 4),
-        "source": f"the most frequent token ids of {args.data} (training prompts) + the tokenizer's special tokens"}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    print(f"{args.size}-token head covering {covered:.1%} of the training prompts' tokens -> {out}")
+    head = np.sort(np.argsort(-counts, kind="stable")[:size])
+    return head, float(np.isin(train, head).mean())
 
 
 def candidate(spec: str) -> tuple[int, list[int]]:
@@ -481,12 +643,24 @@ def main(argv=None) -> None:
     a.add_argument("--min-doc", type=int, default=160)
     a.add_argument("--max-doc", type=int, default=1200)
     a.add_argument("--cap-per-group", type=int, default=1_500_000, help="characters per source group")
+    a.add_argument("--deb-root", default=".carry/debs",
+                   help="where `apt-get download " + " ".join(DEBS) + "` was unpacked with dpkg -x")
+    a.add_argument("--head-size", type=int, default=8192, help="token ids the draft's LM head scores")
     a.add_argument("--seed", type=int, default=0)
-    t = sub.add_parser("train", help="sample answers from the target and distil the draft (GPU)")
-    t.add_argument("--data", default=".carry/data")
-    t.add_argument("--target", default=None, help="target model: .gguf, directory or hub id (default: embedded)")
+    g = sub.add_parser("answers", help="only sample the target's answers to the prompts and save them (GPU)")
+    t = sub.add_parser("train", help="distil the draft on the target's answers (sampled first unless --answers) (GPU)")
+    for x in (g, t):
+        x.add_argument("--data", default=".carry/data")
+        x.add_argument("--target", default=None, help="target model: .gguf, directory or hub id (default: embedded)")
+        x.add_argument("--device", default=None)
+        x.add_argument("--max-prompts", type=int, default=0, help="use only this many prompts (smoke tests)")
+        x.add_argument("--answer-tokens", type=int, default=224)
+        x.add_argument("--gen-batch", type=int, default=256)
+        x.add_argument("--gen-seconds", type=float, default=90)
+    g.add_argument("--out", default="out/answers.npz")
     t.add_argument("--out", default="out/draft")
-    t.add_argument("--device", default=None)
+    t.add_argument("--answers", nargs="+", default=None, help="answers files written by the answers stage")
+    t.add_argument("--resume", default=None, help="go on training this draft directory (written by train)")
     t.add_argument("--name", default="SmolLM2-135M TriForce draft")
     t.add_argument("--init", type=candidate, nargs="+", default=[candidate("6+6,7"), candidate("6+28,29")],
                    help="candidate drafts S+a,b,..: the target's first S layers shared, then own layers initialised "
@@ -502,20 +676,11 @@ def main(argv=None) -> None:
     t.add_argument("--answer-share", type=float, default=0.75)
     t.add_argument("--steps", type=int, default=0, help="0: train for --train-seconds")
     t.add_argument("--train-seconds", type=float, default=200)
-    t.add_argument("--answer-tokens", type=int, default=224)
-    t.add_argument("--gen-batch", type=int, default=256)
-    t.add_argument("--gen-seconds", type=float, default=90)
-    t.add_argument("--max-prompts", type=int, default=0, help="use only this many prompts (smoke tests)")
     t.add_argument("--log-every", type=int, default=25)
     t.add_argument("--int8", action="store_true", help="store matrices as int8 + per-row scale (half the size)")
     t.add_argument("--seed", type=int, default=0)
-    h = sub.add_parser("head-vocab", help="restrict a distilled draft's LM head to the most frequent tokens (CPU)")
-    h.add_argument("--data", default=".carry/data")
-    h.add_argument("--draft", default="assets/draft")
-    h.add_argument("--target", default=None, help="target whose tokenizer to use (default: the embedded one)")
-    h.add_argument("--size", type=int, default=16384)
     args = p.parse_args(argv)
-    {"prepare": prepare, "train": train, "head-vocab": head_vocab}[args.stage](args)
+    {"prepare": prepare, "answers": answers_stage, "train": train}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,15 @@ def default_draft(target: str | None) -> str | None:
     return None
 
 
+def dequantised(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stored draft's weights with int8 rows times their per-row scale (core.distill --int8) made whole again."""
+    state = dict(state)
+    for k in [k for k in state if k.endswith(".scale")]:
+        scale = state.pop(k)
+        state[k.removesuffix(".scale")] = state[k.removesuffix(".scale")].to(scale.dtype) * scale
+    return state
+
+
 def load_draft(source: str, target: Transformer, target_tok, target_name: str, device: torch.device,
                dtype: torch.dtype) -> tuple[Transformer, str]:
     """A level-1 draft for `target` and its name: a directory written by core.distill (its own layers and final
@@ -201,9 +210,7 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
     state = load_file(config_file.parent / "model.safetensors")
     prefixes = tuple(f"layers.{i}." for i in range(shared))
     clash = [k for k in state if k.startswith(prefixes)]  # never overwrite the target's own weights
-    for k in [k for k in state if k.endswith(".scale")]:  # int8 rows with a per-row scale (core.distill --int8)
-        scale = state.pop(k)
-        state[k.removesuffix(".scale")] = state[k.removesuffix(".scale")].to(scale.dtype) * scale
+    state = dequantised(state)
     missing, unexpected = ([], clash) if clash else draft.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not k.startswith(prefixes)]
     if unexpected or set(missing) - {"embed_tokens.weight", "lm_head.weight"}:

@@ -1,0 +1,67 @@
+"""core.distill end to end at toy scale on the CPU: prepare -> answers -> train -> a draft the engine loads ->
+train --resume goes on from exactly those weights; answers for other prompts are refused."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from core import distill
+from core.loading import load_draft
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, monkeypatch_module):
+    out = tmp_path_factory.mktemp("data")
+    monkeypatch_module.setattr(distill, "unpack_debs", lambda root: {})  # no Debian download in a unit test
+    distill.main(["prepare", "--out", str(out), "--prompts", "6", "--val-prompts", "2", "--min-doc", "40",
+                  "--max-doc", "80", "--cap-per-group", "3000", "--head-size", "600", "--deb-root", str(out / "debs")])
+    return out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+def _train(data, out, *extra):
+    distill.main(["train", "--data", str(data), "--answers", str(data / "a.npz"), "--out", str(out), "--steps", "2",
+                  "--windows", "4", "--seqs", "2", "--window", "48", "--int8", "--device", "cpu", *extra])
+    return json.loads((out / "training.json").read_text())
+
+
+def test_prepare_answers_train_resume(data, embedded, tmp_path):
+    sources = json.loads((data / "sources.json").read_text())
+    assert sources["prompts"] == 6 and sources["validation_prompts"] == 2
+    assert all(f["group"] != "holdout" for f in sources["files"]) and sources["head_vocab"]["size"] == 600
+    distill.main(["answers", "--data", str(data), "--out", str(data / "a.npz"), "--answer-tokens", "5",
+                  "--gen-batch", "4", "--device", "cpu"])
+    answers = np.load(data / "a.npz")
+    assert len(answers["index"]) == 8 and 0 < np.diff(answers["offsets"]).max() <= 5
+
+    first = _train(data, tmp_path / "d1", "--init", "2+2", "--trial-steps", "0")
+    assert first["steps"] == 2 and first["train_sequences"] == 6
+    draft, name = load_draft(str(tmp_path / "d1"), embedded.target, embedded.tokenizer, "target",
+                             torch.device("cpu"), torch.float32)
+    assert len(draft.layers) == 3 and draft.layers[1] is embedded.target.layers[1] and len(draft.vocab_ids) == 600
+
+    resumed, shared, layers = distill.resumed(embedded.target, tmp_path / "d1")
+    assert (shared, layers) == (2, [2])
+    own = distill.own_parameters(resumed, shared)
+    assert set(own) == {k for k, _ in draft.named_parameters() if k.startswith(("layers.2.", "norm."))}
+    for k, v in own.items():  # training goes on from the stored (int8-rounded) weights, not from the target's
+        assert torch.equal(v, dict(draft.named_parameters())[k])
+    second = _train(data, tmp_path / "d2", "--resume", str(tmp_path / "d1"))
+    assert second["val_before"]["kl"] == pytest.approx(first["val_after"]["kl"], rel=0.05)
+    config = json.loads((tmp_path / "d2" / "config.json").read_text())["triforce_draft"]
+    assert config["resumed_from"] == str(tmp_path / "d1") and config["head_vocab"]["size"] == 600
+
+
+def test_answers_for_other_prompts_are_refused(data, tmp_path):
+    prompts, _ = distill.load_prompts(data, 0)
+    distill.save_answers(tmp_path / "a.npz", prompts, [([1, 2], 0.0)] + [None] * (len(prompts) - 1))
+    assert distill.read_answers([str(tmp_path / "a.npz")], prompts)[0] == ([1, 2], 0.0)
+    with pytest.raises(ValueError, match="other prompts"):
+        distill.read_answers([str(tmp_path / "a.npz")], [[9, 9, 9]] + prompts[1:])
