@@ -16,7 +16,8 @@ part of its own cache is a cheap and very accurate draft. TriForce stacks three 
 ([Sun et al., 2024, arXiv 2404.11912](https://arxiv.org/abs/2404.11912)):
 
 1. **Level 1: tiny drafter.** A small model (or an n-gram lookup in the prompt) with a StreamingLLM cache
-   (attention-sink tokens plus a recent window) proposes γ1 tokens at a time.
+   (attention-sink tokens plus a recent window) proposes γ1 tokens at a time; where the text's last few tokens
+   occurred earlier in the document, the model drafter copies what followed them (it cannot see that far back).
 2. **Level 2: target + retrieval cache.** The target model attends only to a *budget* of cache entries: the prompt
    is cut into chunks, each chunk is summarised by its mean key, and per layer and KV head the chunks whose mean
    key best matches the current query are kept (chunk 0, the attention sink, always). It verifies level-1 tokens

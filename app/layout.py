@@ -11,6 +11,7 @@ from app.figures import HEATMAP_MODES, empty_figure
 from app.presets import all_presets, default_preset
 from app.settings import DRAFTERS, OVERFLOW_POLICIES, RESELECT_POLICIES
 from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
+from core import GenerationConfig
 
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
@@ -68,6 +69,10 @@ def build_demo() -> gr.Blocks:
                             draft_confidence = gr.Slider(0, 0.95, 0, step=0.05, label="Draft confidence gate",
                                                          info="the draft model stops proposing when its top "
                                                               "probability is below this (0: always γ1 tokens)")
+                            lookup_min = gr.Slider(0, 8, GenerationConfig.lookup_min, step=1,
+                                                   label="Copy from the text after a match of (tokens)",
+                                                   info="the draft model proposes what followed the text's last "
+                                                        "tokens where they occurred before (0: never)")
                             with gr.Row():
                                 reselect = gr.Radio(list(RESELECT_POLICIES), value="once", label="Re-select chunks")
                                 reselect_every = gr.Number(8, label="N (rounds)", precision=0, minimum=1)
@@ -127,7 +132,8 @@ def build_demo() -> gr.Blocks:
                 engines = gr.Markdown(elem_id="engines")
 
         settings = [preset_name, max_new_tokens, budget, chunk_size, gamma1, gamma2, drafter, reselect,
-                    reselect_every, temperature, top_p, seed, greedy, overflow, draft_confidence]
+                    reselect_every, temperature, top_p, seed, greedy, overflow, draft_confidence,
+                    lookup_min]
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document")
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")

@@ -32,7 +32,8 @@ def _float(name: str, value: float | int | str | None) -> float:
 
 def build_config(method: str, max_new_tokens: float, budget: float, chunk_size: float, gamma1: float, gamma2: float,
                  drafter: str, reselect: str, reselect_every: float, temperature: float, top_p: float, seed: float,
-                 greedy: bool, overflow: str, draft_confidence: float = 0.0) -> GenerationConfig:
+                 greedy: bool, overflow: str, draft_confidence: float = 0.0,
+                 lookup_min: float = GenerationConfig.lookup_min) -> GenerationConfig:
     """A validated GenerationConfig from widget values; anything invalid raises TriForceError with the fix."""
     if drafter not in DRAFTERS:
         raise TriForceError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}.")
@@ -46,5 +47,6 @@ def build_config(method: str, max_new_tokens: float, budget: float, chunk_size: 
         drafter=None if drafter == "auto" else drafter, reselect=policy,
         temperature=_float("temperature", temperature), top_p=_float("top-p", top_p), seed=_int("seed", seed),
         greedy=bool(greedy), overflow=overflow,
-        draft_confidence=_float("draft confidence gate", draft_confidence))
+        draft_confidence=_float("draft confidence gate", draft_confidence),
+        lookup_min=_int("copy after a match of", lookup_min))
     return config.validate()

@@ -38,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--drafter", choices=["model", "ngram", "none"])
         s.add_argument("--draft-confidence", type=float, default=0.0,
                        help="the model drafter stops proposing below this top probability (0: never)")
+        s.add_argument("--lookup-min", type=int, default=GenerationConfig.lookup_min,
+                       help="the model drafter copies the document's continuation after a match of this many "
+                            "tokens (0: never)")
         s.add_argument("--reselect", type=_reselect, default="once", help="once, every_verify or every N rounds")
         s.add_argument("--temperature", type=float, default=0.6)
         s.add_argument("--top-p", type=float, default=0.9)
@@ -57,7 +60,8 @@ def _config(args, method: str) -> GenerationConfig:
     return GenerationConfig(
         method=method, greedy=args.greedy, max_new_tokens=args.max_new_tokens, budget=args.budget,
         chunk_size=args.chunk_size, gamma1=args.gamma1, gamma2=args.gamma2, drafter=args.drafter,
-        reselect=args.reselect, draft_confidence=args.draft_confidence, temperature=args.temperature,
+        reselect=args.reselect, draft_confidence=args.draft_confidence, lookup_min=args.lookup_min,
+        temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         overflow=args.overflow, stop=args.stop).validate()
 

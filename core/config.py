@@ -49,6 +49,7 @@ class GenerationConfig:
     window_tokens: int = 240
     ngram_max: int = 4
     draft_confidence: float = 0.0  # the model drafter stops proposing when its top probability falls below this
+    lookup_min: int = 4  # the model drafter copies the continuation of an earlier match this long; 0: never
     prefill_chunk: int | None = None  # tokens per prefill forward; None: 2048 on a CPU, as many as fit on a GPU
 
     def validate(self) -> "GenerationConfig":
@@ -73,6 +74,7 @@ class GenerationConfig:
             (self.sink_tokens >= 1 and self.window_tokens >= 1, "sink_tokens and window_tokens must be >= 1"),
             (self.ngram_max >= 1, f"ngram_max must be >= 1, got {self.ngram_max}"),
             (0 <= self.draft_confidence < 1, f"draft_confidence must be in [0, 1), got {self.draft_confidence}"),
+            (self.lookup_min >= 0, f"lookup_min must be >= 0, got {self.lookup_min}"),
             (self.prefill_chunk is None or self.prefill_chunk >= 1,
              f"prefill_chunk must be >= 1 or None, got {self.prefill_chunk}"),
         ]

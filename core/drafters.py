@@ -47,18 +47,29 @@ class NgramDrafter:
                 self.index[key] = (end, self.index.get(key, (-1, -1))[0])
         self.indexed = max(self.indexed, upto)
 
-    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]:
+    def match(self, seq: list[int], trusted: int, extra: list[int] = ()) -> tuple[int, int]:
+        """(m, end): the last m tokens of seq + extra (m as large as possible, <= max_n) also end at `end` earlier;
+        (0, -1): none. `extra` is passed apart so that a long seq is never copied."""
         self._extend(seq, trusted)
-        for m in range(min(self.max_n, len(seq)), 0, -1):
-            last, previous = self.index.get(tuple(seq[-m:]), (-1, -1))
-            end = last if last != len(seq) else previous
+        total = len(seq) + len(extra)
+        tail = seq[-self.max_n:] + list(extra)
+        for m in range(min(self.max_n, total), 0, -1):
+            last, previous = self.index.get(tuple(tail[-m:]), (-1, -1))
+            end = last if last != total else previous
             if end > 0:
-                return seq[end:end + n], None
-        return [], None
+                return m, end
+        return 0, -1
+
+    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]:
+        m, end = self.match(seq, trusted)
+        return (seq[end:end + n] if m else []), None
 
 
 class ModelDrafter:
-    """A small LM sharing the target's tokenizer, reading a StreamingLLM cache (sink + recent window)."""
+    """A small LM sharing the target's tokenizer, reading a StreamingLLM cache (sink + recent window). With
+    cfg.lookup_min, a position whose last lookup_min (or more) tokens occurred earlier in the document or answer gets
+    the prompt-lookup continuation instead (proposed with certainty: q one-hot), as the draft cannot see text that
+    left its window."""
 
     name = "model"
 
@@ -81,6 +92,7 @@ class ModelDrafter:
             cache.reset()
         self.level = Level(model, cache, [])
         self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator
+        self.lookup = NgramDrafter(max(cfg.ngram_max, cfg.lookup_min)) if cfg.lookup_min else None
         body = prompt[:-1]
         sink, window = cfg.sink_tokens, cfg.window_tokens
         if len(body) <= sink + window:
@@ -96,19 +108,21 @@ class ModelDrafter:
         qs = []
         ids = self.level.model.vocab_ids  # a reduced head: sample among its ids, zero mass on the others
         for _ in range(n):
+            if self.lookup is not None:
+                m, end = self.lookup.match(seq, trusted, tokens)
+                if m >= self.cfg.lookup_min:
+                    tokens.append(seq[end] if end < len(seq) else tokens[end - len(seq)])
+                    qs.append(torch.zeros(self.vocab_size, device=self.level.model.device).index_fill_(
+                        0, torch.tensor(tokens[-1:], device=self.level.model.device), 1.0))
+                    continue
             logits = self.level.logits(seq, 1, trusted, tokens)
             q = distributions(logits if ids is not None else self._align(logits), self.cfg)[0]
             if self.cfg.draft_confidence and self._confidence(logits, q) < self.cfg.draft_confidence:
                 break  # stopping depends on the draft alone, so verification stays exact
             x = sample(q, self.generator)
             tokens.append(int(ids[x]) if ids is not None else x)
-            qs.append(q)
-        if not qs:
-            return tokens, None
-        q = torch.stack(qs)
-        if ids is not None:
-            q = q.new_zeros(len(qs), self.vocab_size).index_copy_(1, ids, q)
-        return tokens, q
+            qs.append(q.new_zeros(self.vocab_size).index_copy_(0, ids, q) if ids is not None else q)
+        return tokens, (torch.stack(qs) if qs else None)
 
     @property
     def steps(self) -> int:

@@ -143,6 +143,9 @@ def test_build_config_maps_widgets_and_explains_bad_values() -> None:
         build_config(method="triforce", **{**SETTINGS, "seed": None})
     with pytest.raises(TriForceError, match="top_p"):
         build_config(method="triforce", **{**SETTINGS, "top_p": 0})
+    assert build_config(method="triforce", **{**SETTINGS, "lookup_min": 4.0}).lookup_min == 4
+    with pytest.raises(TriForceError, match="lookup_min"):
+        build_config(method="triforce", **{**SETTINGS, "lookup_min": -1})
 
 
 # ---------------------------------------------------------------- reducer, views, figures

@@ -121,7 +121,7 @@ def test_reduced_draft_head_is_lossless(one_thread):
     engine, prompt = tiny_engine()
     kept = torch.tensor([0, 2, 3, 5, 7, 8])
     engine.draft.restrict_head(kept)
-    cfg = GenerationConfig(**CFG).validate()
+    cfg = GenerationConfig(**CFG, lookup_min=0).validate()  # (a copied continuation may lie outside the head)
     drafter = engine._drafter(cfg, prompt, torch.Generator().manual_seed(0))
     outside = [i for i in range(VOCAB) if i not in kept.tolist()]
     with torch.no_grad():
@@ -135,3 +135,22 @@ def test_reduced_draft_head_is_lossless(one_thread):
     assert 0 < levels["l1_accepted"] < levels["l1_proposed"]
     p_ok = chi_square_p(counts, expected, GATED_DRAWS)
     assert p_ok > 1e-3, f"reduced-head sampler rejected (p={p_ok:.2e})"
+
+
+def test_lookup_assisted_drafting_is_lossless(one_thread):
+    """The model drafter copying prompt-lookup continuations (proposed with q one-hot) stays exact."""
+    engine, prompt = tiny_engine()
+    cfg = GenerationConfig(**CFG, lookup_min=2).validate()
+    drafter = engine._drafter(cfg, prompt, torch.Generator().manual_seed(0))
+    seq, copied = list(prompt), 0
+    with torch.no_grad():
+        for _ in range(10):  # accept every proposal: the text grows, some of its bigrams recur
+            tokens, q = drafter.propose(seq, 2, len(seq) - 1)
+            copied += sum(bool(q[i, t] == 1.0 and q[i].sum() == 1.0) for i, t in enumerate(tokens))
+            seq += tokens
+        assert copied and drafter.steps == 20 - copied  # a copied token costs no draft forward
+        expected = target_pairs(engine, prompt)
+        counts, levels = emitted_pairs(engine, prompt, GATED_DRAWS, lookup_min=2)
+    assert 0 < levels["l1_accepted"] < levels["l1_proposed"]
+    p_ok = chi_square_p(counts, expected, GATED_DRAWS)
+    assert p_ok > 1e-3, f"lookup-assisted sampler rejected (p={p_ok:.2e})"

@@ -1,0 +1,23 @@
+"""Prompt lookup: the longest recent match of the text's last tokens, its continuation, and the same answer whether
+the newest tokens come inside the sequence or beside it."""
+
+from core.drafters import NgramDrafter
+
+
+def test_longest_match_and_its_continuation():
+    seq = [1, 2, 3, 9, 2, 3, 7, 5, 1, 2, 3]
+    lookup = NgramDrafter(max_n=4)
+    m, end = lookup.match(seq, len(seq))
+    assert (m, end) == (3, 3) and seq[end] == 9  # "1 2 3" ended at 3 before; the later "2 3" (end 6) is shorter
+    assert lookup.propose(seq, 2, len(seq)) == ([9, 2], None)
+    assert NgramDrafter(max_n=4).match([4, 5, 6], 3) == (0, -1)
+
+
+def test_extra_tokens_match_as_if_appended():
+    seq, extra = [5, 6, 7, 8, 1, 5, 6], [7]
+    for trusted in (3, 5, 7):
+        apart, joined = NgramDrafter(4), NgramDrafter(4)
+        assert apart.match(seq, trusted, extra) == joined.match(seq + extra, trusted)
+    m, end = NgramDrafter(4).match(seq, 7, extra)
+    assert (m, end) == (3, 3) and seq[end] == 8  # "5 6 7" continues with 8
+    assert NgramDrafter(4).match([1, 2], 2, [1, 2]) == (2, 2)  # continues with extra[0]: past the end of seq
