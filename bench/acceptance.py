@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.common import DOCS, drafter_settings, environment, finish, save
 from core import Engine, GenerationConfig
-from core.distill import HOLDOUT
+from core.distill_data import HOLDOUT
 
 SETTINGS = {"greedy": {"greedy": True}, "T0.6/top-p0.9": {"temperature": 0.6, "top_p": 0.9}}
 

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from core import distill
+from core import distill, distill_data
 from core.loading import load_draft
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, monkeypatch_module):
     out = tmp_path_factory.mktemp("data")
-    monkeypatch_module.setattr(distill, "unpack_debs", lambda root: {})  # no Debian download in a unit test
+    monkeypatch_module.setattr(distill_data, "unpack_debs", lambda root: {})  # no Debian download in a unit test
     distill.main(["prepare", "--out", str(out), "--prompts", "6", "--val-prompts", "2", "--min-doc", "40",
                   "--max-doc", "80", "--cap-per-group", "3000", "--head-size", "600", "--deb-root", str(out / "debs")])
     return out
@@ -60,7 +60,7 @@ def test_prepare_answers_train_resume(data, embedded, tmp_path):
 
 
 def test_answers_for_other_prompts_are_refused(data, tmp_path):
-    prompts, _ = distill.load_prompts(data, 0)
+    prompts, _ = distill_data.load_prompts(data, 0)
     distill.save_answers(tmp_path / "a.npz", prompts, [([1, 2], 0.0)] + [None] * (len(prompts) - 1))
     assert distill.read_answers([str(tmp_path / "a.npz")], prompts)[0] == ([1, 2], 0.0)
     with pytest.raises(ValueError, match="other prompts"):

@@ -1,0 +1,238 @@
+"""Distillation data for a level-1 draft (CPU): freely licensed text available offline -> prompts in the target's chat
+template, and the token ids the draft's reduced LM head scores. `python -m core.distill prepare` runs it.
+
+Sources: the bundled documents except the held-out ones, Debian licences and copyright files, manual pages, Python
+standard-library sources, PyPI packages' README metadata, and the Debian packages python3.11-doc and
+debian-reference-en (downloaded from the Debian archive). Every text's origin is recorded in sources.json.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "assets" / "docs"
+HOLDOUT = ["us_declaration_of_independence.txt", "python_socket_programming_howto.txt"]
+GENERAL = [
+    "Summarise the document in three sentences.", "What is the main topic of this text?",
+    "List the three most important points of the document.", "Explain the document in simple terms.",
+    "Write a short title for this text and explain your choice.", "What questions does this text answer?",
+    "Who is the intended audience of this document, and why?", "Summarise the last paragraph.",
+    "What are the key terms defined or used in this text? Explain each briefly.",
+    "Rewrite the first paragraph in plain English.", "Give a one-paragraph summary.",
+    "What obligations or rules does the text describe?", "Describe the tone and style of the text.",
+    "Continue the text in the same style for a few sentences.", "What happens in this passage?",
+    "Extract any names, dates or numbers mentioned and say what they refer to.",
+    "Write three questions a reader might ask about this text, with answers.",
+    "Explain the purpose of this document.", "What would be a good next section for this text?",
+    "Summarise the text as a bulleted list.", "Is there anything unclear in this text? Explain.",
+    "What does the author want the reader to do or understand?", "Summarise what has happened so far.",
+]
+CODE = [
+    "Explain what this code does.", "Summarise the purpose of this module.",
+    "List the functions or classes defined here and what each does.", "How would you use this code? Give an example.",
+    "Are there any potential bugs or edge cases in this code?", "Explain the code to a beginner.",
+    "Write documentation for the main function in this code.", "What does this code return, and when?",
+]
+GROUP_WEIGHTS = {"assets": 0.15, "common-licenses": 0.07, "debian-copyright": 0.08, "python-stdlib": 0.15,
+                 "pypi-metadata": 0.15, "python-docs": 0.2, "debian-reference": 0.1, "man-pages": 0.1}
+HEAD_FILE = "head_vocab.safetensors"
+DEBS = ["python3.11-doc", "debian-reference-en", "debian-reference-common"]  # unpacked into --deb-root by prepare
+
+
+def _plain(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+class _HTMLText(HTMLParser):
+    """The visible text of an HTML page (scripts, styles and navigation left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts, self.skip = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        self.skip += tag in ("script", "style", "nav", "head")
+        if tag in ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "pre"):
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        self.skip -= tag in ("script", "style", "nav", "head") and self.skip > 0
+
+    def handle_data(self, data):
+        if not self.skip:
+            self.parts.append(data)
+
+
+def _html(path: Path) -> str:
+    parser = _HTMLText()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return re.sub(r"\n\s*\n+", "\n\n", "".join(parser.parts))
+
+
+def _man(path: Path) -> str:
+    """A manual page rendered to plain text by man(1), indentation removed."""
+    out = subprocess.run(["man", "--nj", "--nh", "-l", str(path)], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "MANWIDTH": "100"}).stdout
+    return "\n".join(line.strip() for line in re.sub(r".\x08", "", out).splitlines())
+
+
+def _read(path: Path, reader, limit: int = 400_000) -> str | None:
+    try:
+        text = reader(path)[:limit]
+    except (UnicodeDecodeError, OSError, subprocess.SubprocessError):
+        return None
+    return text if len(text.strip()) >= 400 else None
+
+
+def unpack_debs(deb_root: Path) -> dict[str, str]:
+    """Download the Debian packages DEBS (apt) and unpack them into deb_root unless already there; their versions."""
+    stamp = deb_root / "versions.json"
+    if not stamp.exists():
+        deb_root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["apt-get", "download", *DEBS], cwd=deb_root, check=True, capture_output=True)
+        versions = {}
+        for deb in sorted(deb_root.glob("*.deb")):
+            subprocess.run(["dpkg", "-x", str(deb), str(deb_root)], check=True)
+            versions[deb.name.split("_")[0]] = deb.name.split("_")[1]
+            deb.unlink()
+        stamp.write_text(json.dumps(versions))
+    return json.loads(stamp.read_text())
+
+
+def gather_texts(cap_per_group: int, deb_root: Path, seed: int) -> list[dict]:
+    """Offline, freely licensed texts: [{group, path, licence, text}], each group's files in a seeded random order
+    up to cap_per_group characters, the held-out documents left out and any text quoting them dropped. deb_root
+    holds the Debian packages DEBS unpacked (documentation not installed on this machine)."""
+    holdout_text = [(DOCS / n).read_text() for n in HOLDOUT]
+    probes = [t[i:i + 60] for t in holdout_text for i in range(0, len(t) - 60, 400)]
+    stdlib = Path(os.__file__).parent
+    site = Path(np.__file__).parent.parent
+    python_docs = deb_root / "usr/share/doc/python3.11/html/_sources"
+    man = [Path(p) for s in (1, 5, 7, 8) for p in glob.glob(f"/usr/share/man/man{s}/*.gz")]
+    candidates = [
+        ("assets", [p for p in DOCS.glob("*.txt") if p.name not in HOLDOUT], _plain, "see assets/docs/SOURCES.md"),
+        ("common-licenses", list(Path("/usr/share/common-licenses").glob("*")), _plain,
+         "the licence texts themselves"),
+        ("debian-copyright", [Path(p) for p in glob.glob("/usr/share/doc/*/copyright")], _plain,
+         "Debian copyright files"),
+        ("python-stdlib", list(stdlib.glob("*.py")), _plain, "PSF-2.0 (CPython standard library)"),
+        ("pypi-metadata", [Path(p) for p in glob.glob(str(site / "*.dist-info" / "METADATA"))], _plain,
+         "each package's own licence (named in its METADATA)"),
+        # the Python documentation's sources, minus the socket HOWTO (held out) and the socket module's reference
+        ("python-docs", [p for p in python_docs.rglob("*.rst.txt") if "socket" not in p.name], _plain,
+         "PSF-2.0 (Debian package python3.11-doc)"),
+        ("debian-reference", list((deb_root / "usr/share/debian-reference").glob("*.en.html")), _html,
+         "GPL-2+ (Debian package debian-reference-en)"),
+        ("man-pages", man, _man, "each Debian package's own licence (/usr/share/doc/<package>/copyright)"),
+    ]
+    rng = random.Random(seed)
+    out, seen = [], set()
+    for group, paths, reader, licence in candidates:
+        total = 0
+        paths = sorted(paths)
+        rng.shuffle(paths)
+        for path in paths:
+            if total >= cap_per_group:
+                break
+            text = _read(path, reader, cap_per_group)
+            if text is None:
+                continue
+            digest = hashlib.sha1(text.encode()).hexdigest()
+            if digest in seen or any(p in text for p in probes):
+                continue
+            seen.add(digest)
+            total += len(text)
+            out.append({"group": group, "path": str(path), "licence": licence, "text": text})
+    return out
+
+
+def _prompts_from(texts, tok, n, min_doc, max_doc, rng, instructions_for, split):
+    from core.prompting import build_prompt
+    pool = {}
+    for t in texts:
+        ids = tok(t["text"], add_special_tokens=False)["input_ids"]
+        a = 0
+        while a < len(ids) - min_doc // 2:
+            b = a + rng.randint(min_doc, max_doc)
+            pool.setdefault(t["group"], []).append((t, ids[a:b]))
+            a = b
+    groups = sorted(pool)
+    weights = [GROUP_WEIGHTS.get(g, 0.2) for g in groups]
+    prompts = []
+    for _ in range(n):
+        t, ids = rng.choice(pool[rng.choices(groups, weights)[0]])
+        instruction = rng.choice(instructions_for(t))
+        p = build_prompt(tok, tok.decode(ids), instruction, 8192, 256, "truncate")
+        prompts.append({"ids": p.ids, "path": t["path"], "group": t["group"], "instruction": instruction,
+                        "split": split})
+    return prompts
+
+
+def prepare(args) -> None:
+    from safetensors.torch import save_file
+
+    from core.loading import load_tokenizer
+    rng = random.Random(args.seed)
+    tok = load_tokenizer(args.target)
+    debs = unpack_debs(Path(args.deb_root))
+    texts = gather_texts(args.cap_per_group, Path(args.deb_root), args.seed)
+    kind = lambda t: CODE if t["path"].endswith(".py") else GENERAL
+    train = _prompts_from(texts, tok, args.prompts, args.min_doc, args.max_doc, rng, kind, 0)
+    held = [{"group": "holdout", "path": str(DOCS / n), "licence": "validation only", "text": (DOCS / n).read_text()}
+            for n in HOLDOUT]
+    val = _prompts_from(held, tok, args.val_prompts, args.min_doc, args.max_doc, rng, lambda t: GENERAL, 1)
+    prompts = train + val
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = np.concatenate([np.asarray(p["ids"], dtype=np.uint16) for p in prompts])
+    offsets = np.cumsum([0] + [len(p["ids"]) for p in prompts]).astype(np.int64)
+    np.savez(out / "prompts.npz", ids=flat, offsets=offsets, split=np.array([p["split"] for p in prompts]))
+    used = sorted({p["path"] for p in train})
+    sources = {"holdout_documents_not_trained_on": HOLDOUT, "seed": args.seed, "debian_packages": debs,
+               "prompts": len(train), "validation_prompts": len(val), "prompt_tokens": int(offsets[-1]),
+               "groups": {g: sum(1 for p in train if p["group"] == g) for g in GROUP_WEIGHTS},
+               "licences": {t["group"]: t["licence"] for t in texts},
+               "files": [{"path": t["path"], "group": t["group"], "chars": len(t["text"])}
+                         for t in texts if t["path"] in used]}
+    head, covered = head_vocab([np.asarray(p["ids"]) for p in train], tok, args.head_size)
+    save_file({"ids": torch.from_numpy(head)}, out / HEAD_FILE)
+    sources["head_vocab"] = {"size": args.head_size, "train_token_coverage": round(covered, 4),
+                             "source": "the most frequent token ids of the training prompts + the tokenizer's "
+                                       "special tokens (core.distill prepare)"}
+    (out / "sources.json").write_text(json.dumps(sources, indent=1))
+    print(f"{len(texts)} texts, {len(train)} train + {len(val)} val prompts, {int(offsets[-1])} prompt tokens -> {out}")
+
+
+def head_vocab(prompts: list[np.ndarray], tok, size: int) -> tuple[np.ndarray, float]:
+    """A reduced LM head for the draft: the `size` most frequent token ids of the training prompts plus the
+    tokenizer's special tokens (a level-1 step on a CPU spent about half its time in the full 49K-row head), sorted;
+    and the share of the prompts' tokens it covers."""
+    train = np.concatenate(prompts).astype(np.int64)
+    counts = np.bincount(train, minlength=len(tok))
+    counts[tok.all_special_ids] = counts.max() + 1  # always scored (end of turn, chat markers)
+    head = np.sort(np.argsort(-counts, kind="stable")[:size])
+    return head, float(np.isin(train, head).mean())
+
+
+def load_prompts(data: Path, max_prompts: int) -> tuple[list[list[int]], np.ndarray]:
+    """The prompts of a prepared data directory and their split (0 train, 1 validation)."""
+    npz = np.load(data / "prompts.npz")
+    off, split, flat = npz["offsets"], npz["split"], npz["ids"]
+    prompts = [flat[off[i]:off[i + 1]].astype(np.int64).tolist() for i in range(len(split))]
+    if max_prompts:
+        keep = [i for i in range(len(split)) if split[i] == 0][:max_prompts] + \
+               [i for i in range(len(split)) if split[i] == 1][:max(2, max_prompts // 8)]
+        prompts, split = [prompts[i] for i in keep], split[keep]
+    return prompts, split
