@@ -31,8 +31,9 @@ token-identical to plain autoregressive decoding (the *Compare* tab checks this)
 
 ## What the visuals show
 - **Answer:** each token coloured by where it came from: *{PROVENANCE_LABELS['draft']}* (proposed by level 1 and
-  kept by both checks), *{PROVENANCE_LABELS['level2']}* (sampled by level 2, kept by level 3) and
-  *{PROVENANCE_LABELS['level3']}*. The more green, the fewer expensive full-cache passes per token.
+  kept by both checks), *{PROVENANCE_LABELS['copy']}* (the same for a token level 1 copied from earlier in the text),
+  *{PROVENANCE_LABELS['level2']}* (sampled by level 2, kept by level 3) and *{PROVENANCE_LABELS['level3']}*. The
+  more green, the fewer expensive full-cache passes per token.
 - **Retrieval heatmap:** x is the position in the document (chunks, grouped into at most 1,024 columns, each column
   showing its most-kept chunk), y is the decoding step (the selection in force at each level-3 round) or, in the
   layer view, the layer of the latest selection. Colour counts how many (layer, KV head) pairs keep the chunk;

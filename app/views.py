@@ -8,12 +8,14 @@ from app.state import RunState, live_stats
 
 PROVENANCE_LABELS = {
     "draft": "level-1 draft, accepted",
+    "copy": "level-1 copy from the text, accepted",
     "level2": "level-2 correction/bonus",
     "level3": "level-3 correction/bonus",
     "target": "autoregressive (target)",
 }
 PROVENANCE_COLORS = {
     PROVENANCE_LABELS["draft"]: "#22c55e",
+    PROVENANCE_LABELS["copy"]: "#14b8a6",
     PROVENANCE_LABELS["level2"]: "#f59e0b",
     PROVENANCE_LABELS["level3"]: "#ef4444",
     PROVENANCE_LABELS["target"]: "#94a3b8",

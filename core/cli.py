@@ -11,9 +11,10 @@ from core.config import GenerationConfig, TriForceError
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
 
-COLOURS = {"draft": "\033[32m", "level2": "\033[33m", "level3": "\033[35m", "target": ""}
+COLOURS = {"draft": "\033[32m", "copy": "\033[36m", "level2": "\033[33m", "level3": "\033[35m", "target": ""}
 RESET = "\033[0m"
-LEGEND = "green: level-1 draft accepted  yellow: level-2 sample  magenta: level-3 correction/bonus"
+LEGEND = "green: level-1 draft accepted  cyan: level-1 copy accepted  yellow: level-2 sample  magenta: level-3 " \
+    "correction/bonus"
 
 
 def _reselect(value: str):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -13,12 +13,22 @@ from core.model import Transformer
 from core.sampling import distributions, sample
 
 
+class Proposal(NamedTuple):
+    """Level-1 tokens, their proposal distributions q [k, V] (None: all deterministic), and which were copied from
+    earlier in the text (prompt lookup) rather than drawn from a draft model."""
+
+    tokens: list[int]
+    q: torch.Tensor | None
+    copied: list[bool]
+
+
 class Drafter(Protocol):
-    """Proposes up to n tokens continuing seq; q [k, V] are the proposal distributions (None: deterministic)."""
+    """Proposes up to n tokens continuing seq + extra (`trusted`: a length up to which seq did not change since the
+    last call; `extra`: the newest tokens, passed apart so that a long seq is never copied)."""
 
     name: str
 
-    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]: ...
+    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal: ...
 
 
 class NoDrafter:
@@ -26,8 +36,8 @@ class NoDrafter:
 
     name = "none"
 
-    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]:
-        return [], None
+    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal:
+        return Proposal([], None, [])
 
 
 class NgramDrafter:
@@ -47,9 +57,9 @@ class NgramDrafter:
                 self.index[key] = (end, self.index.get(key, (-1, -1))[0])
         self.indexed = max(self.indexed, upto)
 
-    def match(self, seq: list[int], trusted: int, extra: list[int] = ()) -> tuple[int, int]:
+    def match(self, seq: list[int], trusted: int, extra: Sequence[int] = ()) -> tuple[int, int]:
         """(m, end): the last m tokens of seq + extra (m as large as possible, <= max_n) also end at `end` earlier;
-        (0, -1): none. `extra` is passed apart so that a long seq is never copied."""
+        (0, -1): none."""
         self._extend(seq, trusted)
         total = len(seq) + len(extra)
         tail = seq[-self.max_n:] + list(extra)
@@ -60,9 +70,10 @@ class NgramDrafter:
                 return m, end
         return 0, -1
 
-    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]:
-        m, end = self.match(seq, trusted)
-        return (seq[end:end + n] if m else []), None
+    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal:
+        m, end = self.match(seq, trusted, extra)
+        tokens = (seq[end:end + n] + list(extra)[max(end - len(seq), 0):max(end + n - len(seq), 0)])[:n] if m else []
+        return Proposal(tokens, None, [True] * len(tokens))
 
 
 class ModelDrafter:
@@ -103,26 +114,29 @@ class ModelDrafter:
             list(self.level.prefill(body[-window:], window))
             self.level.tokens = list(body)
 
-    def propose(self, seq: list[int], n: int, trusted: int) -> tuple[list[int], torch.Tensor | None]:
+    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal:
+        extra = list(extra)
         tokens: list[int] = []
-        qs = []
+        qs, copied = [], []
         ids = self.level.model.vocab_ids  # a reduced head: sample among its ids, zero mass on the others
         for _ in range(n):
             if self.lookup is not None:
-                m, end = self.lookup.match(seq, trusted, tokens)
+                m, end = self.lookup.match(seq, trusted, extra + tokens)
                 if m >= self.cfg.lookup_min:
-                    tokens.append(seq[end] if end < len(seq) else tokens[end - len(seq)])
+                    tokens.append(seq[end] if end < len(seq) else (extra + tokens)[end - len(seq)])
                     qs.append(torch.zeros(self.vocab_size, device=self.level.model.device).index_fill_(
                         0, torch.tensor(tokens[-1:], device=self.level.model.device), 1.0))
+                    copied.append(True)
                     continue
-            logits = self.level.logits(seq, 1, trusted, tokens)
+            logits = self.level.logits(seq, 1, trusted, extra + tokens)
             q = distributions(logits if ids is not None else self._align(logits), self.cfg)[0]
             if self.cfg.draft_confidence and self._confidence(logits, q) < self.cfg.draft_confidence:
                 break  # stopping depends on the draft alone, so verification stays exact
             x = sample(q, self.generator)
             tokens.append(int(ids[x]) if ids is not None else x)
             qs.append(q.new_zeros(self.vocab_size).index_copy_(0, ids, q) if ids is not None else q)
-        return tokens, (torch.stack(qs) if qs else None)
+            copied.append(False)
+        return Proposal(tokens, torch.stack(qs) if qs else None, copied)
 
     @property
     def steps(self) -> int:

@@ -7,10 +7,11 @@ from typing import Literal
 
 # Where an emitted token came from.
 #   draft   level-1 proposal accepted by level 2 and by level 3
+#   copy    the same, for a level-1 token copied from earlier in the text (prompt lookup) instead of a draft model's
 #   level2  sampled by level 2 (its correction or bonus), accepted by level 3
 #   level3  level-3 correction (after a rejection) or bonus (after full acceptance)
 #   target  plain autoregressive decoding
-Provenance = Literal["draft", "level2", "level3", "target"]
+Provenance = Literal["draft", "copy", "level2", "level3", "target"]
 
 
 @dataclass
@@ -70,10 +71,11 @@ class RetrievalSelection(Event):
 
 @dataclass
 class DraftProposal(Event):
-    """Level-1 proposals for one level-2 verification."""
+    """Level-1 proposals for one level-2 verification; `copied`: which came from prompt lookup, not a draft model."""
 
     round: int
     tokens: list[int]
+    copied: list[bool] = field(default_factory=list)
 
 
 @dataclass

@@ -72,7 +72,7 @@ def draft_level2(drafter: Drafter, level2: Level, seq: list[int], committed: int
     provenance: list[Provenance] = []
     while len(tokens) < cfg.gamma2:
         t0 = time.perf_counter()
-        proposals, q1 = drafter.propose(seq + tokens, min(cfg.gamma1, cfg.gamma2 - len(tokens)), committed)
+        proposals, q1, copied = drafter.propose(seq, min(cfg.gamma1, cfg.gamma2 - len(tokens)), committed, tokens)
         t1 = time.perf_counter()
         p2 = distributions(level2.logits(seq, len(proposals) + 1, committed, tokens + proposals), cfg)
         # The residual is explicit here: the reference code samples from p2 instead, which biases level 3's q.
@@ -83,11 +83,11 @@ def draft_level2(drafter: Drafter, level2: Level, seq: list[int], committed: int
         tally.level1_proposed += len(proposals)
         tally.level1_accepted += accepted
         if proposals:
-            yield DraftProposal(round_, proposals)
+            yield DraftProposal(round_, proposals, copied)
         yield Verdict(2, round_, proposals, accepted, token, accepted == len(proposals))
         tokens += proposals[:accepted] + [token]
         qs += list(p2[:accepted + 1])
-        provenance += ["draft"] * accepted + ["level2"]
+        provenance += ["copy" if c else "draft" for c in copied[:accepted]] + ["level2"]
     yield tokens[:cfg.gamma2], qs[:cfg.gamma2], provenance[:cfg.gamma2]
 
 

@@ -10,7 +10,7 @@ import torch
 
 from core import GenerationConfig
 from core.config import TokenizerMismatchError
-from core.events import Finished
+from core.events import DraftProposal, Finished, Tokens
 from core.loading import DRAFT_DIR, load_draft
 
 DOC = Path(__file__).parent.parent / "assets" / "docs" / "us_declaration_of_independence.txt"
@@ -39,15 +39,19 @@ def test_draft_for_another_tokenizer_is_refused(embedded, tmp_path):
 
 
 def test_greedy_triforce_with_the_draft_equals_ar(embedded):
+    """Also with copies from the text: the answer quotes the document, and copied tokens are marked as such."""
     doc = DOC.read_text()[:3000]
     common = dict(greedy=True, max_new_tokens=24, budget=256, gamma1=2, gamma2=6)
-    runs = {}
+    runs, provenance = {}, {}
     for method, drafter in (("ar", None), ("triforce", "model")):
         cfg = GenerationConfig(method=method, drafter=drafter, **common)
-        runs[method] = next(e for e in embedded.generate(doc, "What is this document about?", cfg)
-                            if isinstance(e, Finished))
+        events = list(embedded.generate(doc, "Quote the first sentence of the document.", cfg))
+        runs[method] = next(e for e in events if isinstance(e, Finished))
+        provenance[method] = [p for e in events if isinstance(e, Tokens) for p in e.provenance]
+        copied = [c for e in events if isinstance(e, DraftProposal) for c in e.copied]
     assert runs["triforce"].token_ids == runs["ar"].token_ids
     assert runs["triforce"].stats.level1_proposed > 0
+    assert {"copy", "draft"} <= set(provenance["triforce"]) and any(copied) and not all(copied)
 
 
 def test_int8_draft_is_dequantised_and_shares_the_target_layers(embedded):

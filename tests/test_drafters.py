@@ -9,7 +9,7 @@ def test_longest_match_and_its_continuation():
     lookup = NgramDrafter(max_n=4)
     m, end = lookup.match(seq, len(seq))
     assert (m, end) == (3, 3) and seq[end] == 9  # "1 2 3" ended at 3 before; the later "2 3" (end 6) is shorter
-    assert lookup.propose(seq, 2, len(seq)) == ([9, 2], None)
+    assert lookup.propose(seq, 2, len(seq)) == ([9, 2], None, [True, True])
     assert NgramDrafter(max_n=4).match([4, 5, 6], 3) == (0, -1)
 
 
@@ -21,3 +21,11 @@ def test_extra_tokens_match_as_if_appended():
     m, end = NgramDrafter(4).match(seq, 7, extra)
     assert (m, end) == (3, 3) and seq[end] == 8  # "5 6 7" continues with 8
     assert NgramDrafter(4).match([1, 2], 2, [1, 2]) == (2, 2)  # continues with extra[0]: past the end of seq
+
+
+def test_proposals_are_the_same_with_the_newest_tokens_apart():
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4]
+    for split in range(6, len(seq) + 1):
+        apart = NgramDrafter(4).propose(seq[:split], 3, 6, seq[split:])
+        assert apart == NgramDrafter(4).propose(seq, 3, 6), split
+    assert NgramDrafter(4).propose(seq, 3, 6).tokens == [1, 5, 9]  # "3 1 4" recurs: continue with "1 5 9"

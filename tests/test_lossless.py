@@ -126,7 +126,8 @@ def test_reduced_draft_head_is_lossless(one_thread):
     outside = [i for i in range(VOCAB) if i not in kept.tolist()]
     with torch.no_grad():
         for _ in range(20):
-            tokens, q = drafter.propose(prompt, 2, len(prompt) - 1)
+            tokens, q, copied = drafter.propose(prompt, 2, len(prompt) - 1)
+            assert copied == [False, False]
             assert set(tokens) <= set(kept.tolist()) and q.shape == (2, VOCAB)
             assert float(q[:, outside].sum()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(2))
             assert all(q[i, t] > 0 for i, t in enumerate(tokens))
@@ -145,8 +146,9 @@ def test_lookup_assisted_drafting_is_lossless(one_thread):
     seq, copied = list(prompt), 0
     with torch.no_grad():
         for _ in range(10):  # accept every proposal: the text grows, some of its bigrams recur
-            tokens, q = drafter.propose(seq, 2, len(seq) - 1)
-            copied += sum(bool(q[i, t] == 1.0 and q[i].sum() == 1.0) for i, t in enumerate(tokens))
+            tokens, q, flags = drafter.propose(seq, 2, len(seq) - 1)
+            assert all(q[i, t] == 1.0 and q[i].sum() == 1.0 for i, t in enumerate(tokens) if flags[i])
+            copied += sum(flags)
             seq += tokens
         assert copied and drafter.steps == 20 - copied  # a copied token costs no draft forward
         expected = target_pairs(engine, prompt)
