@@ -291,7 +291,7 @@ def test_triforce_streams_coloured_tokens_heatmap_and_stats(server, short_doc: s
     assert status.startswith("✅ Finished")
     assert len([n for n in answers if n]) >= 2 and answers == sorted(answers), "answer did not stream"
     labels = {piece["class_or_confidence"] for piece in answer}
-    assert labels <= {PROVENANCE_LABELS[p] for p in ("draft", "level2", "level3")} and labels
+    assert labels <= {PROVENANCE_LABELS[p] for p in ("draft", "copy", "level2", "level3")} and labels
     assert "".join(piece["token"] for piece in answer).strip()
     heat = json.loads(plot["plot"])["data"][0]
     assert heat["type"] == "heatmap"
