@@ -201,24 +201,28 @@ def distil_loss(draft, head_ids, batch, labels, temps, sink):
     with torch.no_grad():
         stats = {"top1": ((top == head_ids[dl.argmax(-1)]).float() * m).sum() / m.sum()}
         for t in (1.0, 0.6):
-            p = lp[temps.index(t)].exp() if t in temps else None
-            if p is not None:
+            if t in temps:
+                p = lp[temps.index(t)].exp()
                 stats[f"overlap_T{t}"] = (torch.minimum(p, (dl / t).softmax(-1)).sum(-1) * m).sum() / m.sum()
     return loss / len(temps), {k: v.item() for k, v in stats.items()}
 
 
-def load_target(source, dev):
-    """The target as transformers' model (for generate) and as core.model.Transformer, its tokenizer and eos ids."""
+def load_hf(source, dev):
+    """The target as transformers' model (for generate), its source, tokenizer and eos ids."""
     from core.loading import _eos_ids, _from_pretrained, resolve
-    from core.model import Transformer
     src = resolve(source)
     tok, hf = _from_pretrained(src, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     hf = hf.to(dev).eval()
+    return src, tok, hf, _eos_ids(hf, tok)
+
+
+def as_transformer(hf):
+    """The same weights as a frozen core.model.Transformer (for hidden_states and the shared draft layers)."""
+    from core.model import Transformer
     with torch.device("meta"):
         target = Transformer(hf.config)
     target.load_hf_state_dict(hf.state_dict())
-    target = target.to(dev, hf.dtype).eval().requires_grad_(False)
-    return src, tok, hf, target, _eos_ids(hf, tok)
+    return target.to(hf.device, hf.dtype).eval().requires_grad_(False)
 
 
 def save_answers(path: Path, prompts, answers) -> None:
@@ -252,7 +256,7 @@ def answers_stage(args) -> None:
     """Only sample the target's answers (GPU) and save them, for one or more later `train --answers` runs."""
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.time()
-    _, _, hf, _, eos_ids = load_target(args.target, dev)
+    _, _, hf, eos_ids = load_hf(args.target, dev)
     prompts, split = load_prompts(Path(args.data), args.max_prompts)
     answers = generate_answers(hf, prompts, split, SETTINGS, args.gen_batch, args.answer_tokens, eos_ids, dev,
                                args.gen_seconds, print)
@@ -291,7 +295,8 @@ def train(args) -> None:
         print(msg, flush=True)
         log_lines.append(msg)
 
-    src, tok, hf, target, eos_ids = load_target(args.target, dev)
+    src, tok, hf, eos_ids = load_hf(args.target, dev)
+    target = as_transformer(hf)
     log(f"target {src.name} loaded on {dev} in {time.time() - t_start:.0f}s")
     data = Path(args.data)
     prompts, split = load_prompts(data, args.max_prompts)

@@ -70,9 +70,15 @@ class NgramDrafter:
                 return m, end
         return 0, -1
 
-    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal:
+    def continuation(self, seq: list[int], trusted: int, extra: Sequence[int], n: int) -> tuple[int, list[int]]:
+        """(m, up to n tokens that followed the earlier occurrence of the last m tokens of seq + extra); (0, [])."""
         m, end = self.match(seq, trusted, extra)
-        tokens = (seq[end:end + n] + list(extra)[max(end - len(seq), 0):max(end + n - len(seq), 0)])[:n] if m else []
+        if not m:
+            return 0, []
+        return m, (seq[end:end + n] + list(extra)[max(end - len(seq), 0):max(end + n - len(seq), 0)])[:n]
+
+    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal:
+        _, tokens = self.continuation(seq, trusted, extra, n)
         return Proposal(tokens, None, [True] * len(tokens))
 
 
@@ -121,11 +127,11 @@ class ModelDrafter:
         ids = self.level.model.vocab_ids  # a reduced head: sample among its ids, zero mass on the others
         for _ in range(n):
             if self.lookup is not None:
-                m, end = self.lookup.match(seq, trusted, extra + tokens)
+                m, follow = self.lookup.continuation(seq, trusted, extra + tokens, 1)
                 if m >= self.cfg.lookup_min:
-                    tokens.append(seq[end] if end < len(seq) else (extra + tokens)[end - len(seq)])
-                    qs.append(torch.zeros(self.vocab_size, device=self.level.model.device).index_fill_(
-                        0, torch.tensor(tokens[-1:], device=self.level.model.device), 1.0))
+                    tokens += follow
+                    qs.append(torch.nn.functional.one_hot(torch.tensor(follow[0], device=self.level.model.device),
+                                                          self.vocab_size).float())
                     copied.append(True)
                     continue
             logits = self.level.logits(seq, 1, trusted, extra + tokens)

@@ -54,8 +54,8 @@ class Output:
         if now.endswith("\ufffd"):
             return ""
         self._prefix_at, self._read_at = self._read_at, len(self.ids)
-        full = self.text + now[len(before):]
-        piece = full[len(self.text):]
+        piece = now[len(before):]
+        full = self.text + piece
         for stop in self.cfg.stop:
             at = full.find(stop, max(0, len(self.text) - len(stop)))
             if stop and at >= 0:
