@@ -34,11 +34,13 @@ def finish(engine: Engine, document: str, instruction: str, cfg: GenerationConfi
 
 def drafter_settings(spec: str) -> dict:
     """GenerationConfig fields of a drafter spec: "ngram", "model", "model:0.5" (gated at draft confidence 0.5),
-    "model+3" (copying the text's continuation after 3-token matches; "model+0": never; "model": the default), or
-    both ("model+3:0.5")."""
+    "model+3" (copying the text's continuation after 3-token matches; "model+0": never; "model": the default),
+    "model-fusion" (the draft without the target's hidden states), or combinations ("model-fusion+0:0.5")."""
     drafter, _, gate = spec.partition(":")
     drafter, _, lookup = drafter.partition("+")
-    return {"drafter": drafter, "draft_confidence": float(gate or 0), **({"lookup_min": int(lookup)} if lookup else {})}
+    drafter, no_fusion, _ = drafter.partition("-fusion")
+    return {"drafter": drafter, "draft_confidence": float(gate or 0), "draft_fusion": not no_fusion,
+            **({"lookup_min": int(lookup)} if lookup else {})}
 
 
 def environment() -> dict:

@@ -42,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--lookup-min", type=int, default=GenerationConfig.lookup_min,
                        help="the model drafter copies the document's continuation after a match of this many "
                             "tokens (0: never)")
+        s.add_argument("--no-draft-fusion", dest="draft_fusion", action="store_false",
+                       help="a draft with a fusion module proposes without the target's hidden states")
         s.add_argument("--reselect", type=_reselect, default="once", help="once, every_verify or every N rounds")
         s.add_argument("--temperature", type=float, default=0.6)
         s.add_argument("--top-p", type=float, default=0.9)
@@ -62,8 +64,7 @@ def _config(args, method: str) -> GenerationConfig:
         method=method, greedy=args.greedy, max_new_tokens=args.max_new_tokens, budget=args.budget,
         chunk_size=args.chunk_size, gamma1=args.gamma1, gamma2=args.gamma2, drafter=args.drafter,
         reselect=args.reselect, draft_confidence=args.draft_confidence, lookup_min=args.lookup_min,
-        temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        draft_fusion=args.draft_fusion, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         overflow=args.overflow, stop=args.stop).validate()
 
 

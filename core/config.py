@@ -50,6 +50,7 @@ class GenerationConfig:
     ngram_max: int = 4
     draft_confidence: float = 0.0  # the model drafter stops proposing when its top probability falls below this
     lookup_min: int = 4  # the model drafter copies the continuation of an earlier match this long; 0: never
+    draft_fusion: bool = True  # a draft with a fusion module reads the target's hidden states; False: the draft alone
     prefill_chunk: int | None = None  # tokens per prefill forward; None: 2048 on a CPU, as many as fit on a GPU
 
     def validate(self) -> "GenerationConfig":

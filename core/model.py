@@ -264,6 +264,23 @@ class Block(nn.Module):
         return self.mlp(self.post_attention_layernorm(x), x)
 
 
+class Fusion(nn.Module):
+    """A draft's late fusion of the target: its own normed hidden state h plus an MLP of (h, the target's normed
+    hidden state `age` positions back), before the head. Zero `down` weights leave the draft as it was."""
+
+    def __init__(self, dim: int, hidden: int, ages: int):
+        super().__init__()
+        self.up = nn.Linear(2 * dim, hidden, bias=False)
+        self.age = nn.Embedding(ages, hidden)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, h: torch.Tensor, feature: torch.Tensor, age: int | torch.Tensor) -> torch.Tensor:
+        """h [..., D], feature [..., D] (broadcast to h), age >= 1 (clamped to the ages trained)."""
+        age = torch.as_tensor(age, device=h.device).clamp(1, self.age.num_embeddings) - 1
+        z = self.up(torch.cat([h, feature.to(h.dtype).expand_as(h)], -1)) + self.age(age)
+        return h + self.down(F.silu(z))
+
+
 class Transformer(nn.Module):
     """Decoder-only LM; parameter names follow transformers' (without the `model.` prefix)."""
 
@@ -279,6 +296,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, args.head_dim)
         self.vocab_ids: torch.Tensor | None = None  # the token ids lm_head scores when it covers only some of them
+        self.fusion: Fusion | None = None  # a draft's late fusion of the target's hidden states (core.distill)
 
     @property
     def device(self) -> torch.device:
@@ -292,20 +310,23 @@ class Transformer(nn.Module):
         """Run tokens ids [n] through the model with `cache`; return float32 logits of the last n_logits positions
         (all when None, none when 0)."""
         cache.begin(ids.shape[0])
-        return self.step(ids, cache, n_logits)
+        return self.head(self.step(ids, cache, n_logits))
 
-    def step(self, ids: torch.Tensor, cache: AttentionCache, n_logits: int | None = None) -> torch.Tensor:
-        """forward after cache.begin: device work only, so a CUDA graph can capture it."""
+    def step(self, ids: torch.Tensor, cache: AttentionCache, n_rows: int | None = None) -> torch.Tensor:
+        """forward after cache.begin, up to the final norm: the normed hidden states [n_rows, D] of the last n_rows
+        positions (all when None). Device work only, so a CUDA graph can capture it."""
         cos, sin = self.rotary.cos_sin(cache.positions(), self.dtype)
         x = self.embed_tokens(ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i)
         cache.end()
-        if n_logits == 0:
-            return x.new_empty(0, self.args.vocab_size, dtype=torch.float32)
-        if n_logits is not None:
-            x = x[-n_logits:]
-        return self.lm_head(self.norm(x)).float()
+        if n_rows is not None:
+            x = x[x.shape[0] - n_rows:]
+        return self.norm(x) if n_rows != 0 else x
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of normed hidden states."""
+        return self.lm_head(hidden).float()
 
     def restrict_head(self, ids: torch.Tensor) -> None:
         """Score only the token ids `ids` (a draft's reduced head): logits come in that order, `vocab_ids` maps them

@@ -64,15 +64,17 @@ class Retrieval:
 
 
 def draft_level2(drafter: Drafter, level2: Level, seq: list[int], committed: int, cfg: GenerationConfig,
-                 generator: torch.Generator, tally: Tally, round_: int, timing: dict
+                 generator: torch.Generator, tally: Tally, round_: int, timing: dict, feature: torch.Tensor | None
                  ) -> Iterator[Event | tuple[list[int], list[torch.Tensor], list[Provenance]]]:
-    """Level 2 produces up to gamma2 tokens, verifying level-1 proposals; yields events, then its result."""
+    """Level 2 produces up to gamma2 tokens, verifying level-1 proposals; yields events, then its result.
+    `feature`: the hidden state that produced seq's last token, for a drafter that uses it."""
     tokens: list[int] = []
     qs: list[torch.Tensor] = []
     provenance: list[Provenance] = []
     while len(tokens) < cfg.gamma2:
         t0 = time.perf_counter()
-        proposals, q1, copied = drafter.propose(seq, min(cfg.gamma1, cfg.gamma2 - len(tokens)), committed, tokens)
+        proposals, q1, copied = drafter.propose(seq, min(cfg.gamma1, cfg.gamma2 - len(tokens)), committed, tokens,
+                                                feature)
         t1 = time.perf_counter()
         p2 = distributions(level2.logits(seq, len(proposals) + 1, committed, tokens + proposals), cfg)
         # The residual is explicit here: the reference code samples from p2 instead, which biases level 3's q.
@@ -86,6 +88,7 @@ def draft_level2(drafter: Drafter, level2: Level, seq: list[int], committed: int
             yield DraftProposal(round_, proposals, copied)
         yield Verdict(2, round_, proposals, accepted, token, accepted == len(proposals))
         tokens += proposals[:accepted] + [token]
+        feature = level2.hidden[accepted]
         qs += list(p2[:accepted + 1])
         provenance += ["copy" if c else "draft" for c in copied[:accepted]] + ["level2"]
     yield tokens[:cfg.gamma2], qs[:cfg.gamma2], provenance[:cfg.gamma2]
@@ -102,10 +105,11 @@ def triforce(target: Level, prompt: list[int], drafter: Drafter, cfg: Generation
     level2 = Level(target.model, retrieval.cache, prompt[:-1])
     seq = list(prompt)
     round_ = 0
+    feature = None  # the target's hidden state that produced seq's last token (none for the prompt's)
     while not out.done:
         timing = {"level1": 0.0, "level2": 0.0}
         committed = len(seq)
-        for item in draft_level2(drafter, level2, seq, committed, cfg, generator, tally, round_, timing):
+        for item in draft_level2(drafter, level2, seq, committed, cfg, generator, tally, round_, timing, feature):
             if isinstance(item, Event):
                 yield item
             else:
@@ -115,6 +119,7 @@ def triforce(target: Level, prompt: list[int], drafter: Drafter, cfg: Generation
         full.record_rows = len(draft) + 1 if reselect else 0
         p3 = distributions(target.logits(seq, len(draft) + 1, committed, draft), cfg)
         accepted, token = speculative_verify(draft, torch.stack(q2), p3, generator)
+        feature = target.hidden[accepted]
         level3_s = time.perf_counter() - t0
         tally.level2_proposed += len(draft)
         tally.level2_accepted += accepted

@@ -9,11 +9,13 @@ from collections import Counter
 import pytest
 import torch
 
+import core.drafters
 import core.triforce
 from core.config import GenerationConfig
 from core.engine import Engine
 from core.events import Finished
 from core.kvcache import KVCache
+from core.model import Fusion
 from core.prompting import Prompt
 from core.sampling import distributions
 from tests.stats import chi_square_p
@@ -156,3 +158,52 @@ def test_lookup_assisted_drafting_is_lossless(one_thread):
     assert 0 < levels["l1_accepted"] < levels["l1_proposed"]
     p_ok = chi_square_p(counts, expected, GATED_DRAWS)
     assert p_ok > 1e-3, f"lookup-assisted sampler rejected (p={p_ok:.2e})"
+
+
+def fused_engine() -> tuple[Engine, list[int]]:
+    """The tiny engine with a random fusion module on its draft (wide weights: the target's state changes q)."""
+    engine, prompt = tiny_engine()
+    torch.manual_seed(3)
+    engine.draft.fusion = Fusion(engine.draft.args.dim, 32, 2).to(DEVICE).eval()
+    with torch.no_grad():
+        engine.draft.fusion.down.weight.mul_(30.0)
+    return engine, prompt
+
+
+def test_fused_drafting_gets_the_target_state_and_is_lossless(monkeypatch, one_thread):
+    """Each level-1 call after the first gets the hidden state that produced the sequence's last token (checked
+    against a plain full forward where level 2 reads the whole context), its q depends on it, and the hierarchy
+    stays exact."""
+    engine, prompt = fused_engine()
+    calls = []
+    original = core.drafters.ModelDrafter.propose
+
+    def record(self, seq, n, trusted, extra=(), feature=None):
+        calls.append((seq + list(extra), feature))
+        return original(self, seq, n, trusted, extra, feature)
+
+    monkeypatch.setattr(core.drafters.ModelDrafter, "propose", record)
+    m = engine.target
+    with torch.no_grad():
+        cfg = GenerationConfig(**{**CFG, "budget": 64, "max_new_tokens": 8}, seed=1).validate()
+        list(engine._run(Prompt(prompt, len(prompt), 0), cfg))
+        assert calls[0][1] is None and len(calls) > 3 and all(f is not None for _, f in calls[1:])
+        for ids, feature in calls[1:]:
+            cache = KVCache(m.args.n_layers, m.args.n_kv_heads, m.args.head_dim, len(ids), torch.float32, m.device)
+            cache.begin(len(ids) - 1)
+            want = m.step(torch.tensor(ids[:-1], device=m.device), cache, 1)[0]
+            # (on a GPU, other kernels and TF32: 6e-3 seen; a state from the wrong position is off by O(1))
+            tol = 1e-4 if DEVICE == "cpu" else 3e-2
+            torch.testing.assert_close(feature, want, atol=tol, rtol=tol)
+        drafter = engine._drafter(GenerationConfig(**CFG, lookup_min=0).validate(), prompt,
+                                  torch.Generator().manual_seed(0))
+        plain = drafter.propose(prompt, 1, len(prompt) - 1).q
+        fused = drafter.propose(prompt, 1, len(prompt) - 1, feature=calls[1][1]).q
+        assert (plain - fused).abs().sum() > 0.1
+    monkeypatch.undo()
+    with torch.no_grad():
+        expected = target_pairs(engine, prompt)
+        counts, levels = emitted_pairs(engine, prompt, GATED_DRAWS)
+    assert 0 < levels["l1_accepted"] < levels["l1_proposed"]
+    p_ok = chi_square_p(counts, expected, GATED_DRAWS)
+    assert p_ok > 1e-3, f"fused sampler rejected (p={p_ok:.2e})"
