@@ -174,37 +174,49 @@ def batch_tensors(seqs, wins, sink, window, device):
     return tgt.to(device), dids.to(device), trow.to(device), tpos.to(device), valid.to(device)
 
 
-def soft_labels(target, head_ids, batch, temps) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_labels(target, head_ids, batch, temps, ages=0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The target's log-probabilities of the head's ids at each window position, per temperature [T, W, window, H]
     (normalised over the WHOLE vocabulary: ids outside the head keep their mass, which the draft cannot propose),
-    and the target's argmax over the whole vocabulary [W, window]."""
+    the target's argmax over the whole vocabulary [W, window], and (ages > 0) the target's normed hidden states
+    1..ages positions before each window position [ages, W, window, D] (what a fusion draft is given)."""
     tgt, _, trow, tpos, _ = batch
     with torch.no_grad():
-        logits = (hidden_states(target, tgt)[trow[:, None], tpos] @ target.lm_head.weight.T).float()
+        hidden = hidden_states(target, tgt)
+        logits = (hidden[trow[:, None], tpos] @ target.lm_head.weight.T).float()
         lp = torch.stack([(logits / t)[..., head_ids] - torch.logsumexp(logits / t, -1, keepdim=True) for t in temps])
-        return lp, logits.argmax(-1)
+        feats = torch.stack([hidden[trow[:, None], (tpos - a).clamp_min(0)] for a in range(1, ages + 1)]) \
+            if ages else None
+        return lp, logits.argmax(-1), feats
 
 
 def distil_loss(draft, head_ids, batch, labels, temps, sink):
     """Mean KL(target || draft) over valid window positions, the draft scoring the head's ids only (as it does when
-    decoding), averaged over temperatures; plus top-1 agreement and sum min(p, q) (the expected acceptance of one
-    sampled draft token) at T=1 and 0.6."""
+    decoding), averaged over temperatures (and, for a fusion draft, over the ages of the target's hidden state it
+    is given, and without it); plus top-1 agreement and sum min(p, q) (the expected acceptance of one sampled draft
+    token) at T=1 and 0.6, per age for a fusion draft (suffix _age1, ...; unsuffixed: without the target's state)."""
     dids, valid = batch[1], batch[4]
-    lp, top = labels
-    with torch.autocast("cuda", torch.bfloat16, enabled=dids.is_cuda):
-        dl = (hidden_states(draft, dids)[:, sink:] @ draft.lm_head.weight[head_ids].T).float()
+    lp, top, feats = labels
     m = valid.float()
-    loss = 0.0
-    for i, t in enumerate(temps):
-        lq = F.log_softmax(dl / t, -1)
-        loss = loss + ((lp[i].exp() * (lp[i] - lq)).sum(-1) * m).sum() / m.sum()
-    with torch.no_grad():
-        stats = {"top1": ((top == head_ids[dl.argmax(-1)]).float() * m).sum() / m.sum()}
-        for t in (1.0, 0.6):
-            if t in temps:
-                p = lp[temps.index(t)].exp()
-                stats[f"overlap_T{t}"] = (torch.minimum(p, (dl / t).softmax(-1)).sum(-1) * m).sum() / m.sum()
-    return loss / len(temps), {k: v.item() for k, v in stats.items()}
+    with torch.autocast("cuda", torch.bfloat16, enabled=dids.is_cuda):
+        h = hidden_states(draft, dids)[:, sink:]
+        variants = {"": h}
+        if draft.fusion is not None:
+            variants.update({f"_age{a}": draft.fusion(h, feats[a - 1], a) for a in range(1, len(feats) + 1)})
+    loss, stats = 0.0, {}
+    for name, x in variants.items():
+        with torch.autocast("cuda", torch.bfloat16, enabled=dids.is_cuda):
+            dl = (x @ draft.lm_head.weight[head_ids].T).float()
+        for i, t in enumerate(temps):
+            lq = F.log_softmax(dl / t, -1)
+            loss = loss + ((lp[i].exp() * (lp[i] - lq)).sum(-1) * m).sum() / m.sum()
+        with torch.no_grad():
+            stats["top1" + name] = ((top == head_ids[dl.argmax(-1)]).float() * m).sum() / m.sum()
+            for t in (1.0, 0.6):
+                if t in temps:
+                    p = lp[temps.index(t)].exp()
+                    q = (dl / t).softmax(-1)
+                    stats[f"overlap_T{t}{name}"] = (torch.minimum(p, q).sum(-1) * m).sum() / m.sum()
+    return loss / (len(temps) * len(variants)), {k: v.item() for k, v in stats.items()}
 
 
 def load_hf(source, dev):
@@ -265,13 +277,30 @@ def answers_stage(args) -> None:
     print(f"{sum(a is not None for a in answers)} answers, {n} tokens in {time.time() - t0:.0f}s -> {args.out}")
 
 
+def add_fusion(draft, hidden: int, ages: int):
+    """Give a draft a fusion module that leaves it as it is until trained (zero output projection)."""
+    from core.model import Fusion
+    draft.fusion = Fusion(draft.args.dim, hidden, ages).to(draft.device)
+    torch.nn.init.zeros_(draft.fusion.down.weight)
+    torch.nn.init.normal_(draft.fusion.age.weight, std=0.02)
+    return draft
+
+
+def ages(draft) -> int:
+    """How many ages of the target's hidden state a draft's fusion module knows (0: no fusion module)."""
+    return draft.fusion.age.num_embeddings if draft.fusion is not None else 0
+
+
 def resumed(target, directory: Path):
-    """A draft saved by train (own layers from its file, int8 made whole) to go on training, its shared count."""
+    """A draft saved by train (own layers and any fusion module from its file, int8 made whole) to go on training,
+    its shared count."""
     from safetensors.torch import load_file
 
     from core.loading import dequantised
     meta = json.loads((directory / "config.json").read_text())["triforce_draft"]
     draft = make_draft(target, meta["init_layers"], meta["shared_layers"])
+    if fusion := meta.get("fusion"):
+        add_fusion(draft, fusion["hidden"], fusion["ages"])
     state = {k: v.float() for k, v in dequantised(load_file(directory / "model.safetensors")).items()}
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or any(k in missing for k in own_parameters(draft, meta["shared_layers"])):
@@ -314,14 +343,22 @@ def train(args) -> None:
             seqs[int(s)].append((pr + a[0], len(pr)))
     n_ans = sum(len(a[0]) for a in answers if a)
     log(f"answers: {len(seqs[0])} train / {len(seqs[1])} val sequences, {n_ans} answer tokens in {gen_s:.0f}s")
-    head_ids = load_file(data / HEAD_FILE)["ids"].to(dev)
+    head_ids = load_file((Path(args.resume) if args.resume else data) / HEAD_FILE)["ids"].to(dev)  # a draft's own
 
     # candidates: each init trains on the same batches for --trial-steps; the lowest recent loss continues
     runs = []
     inits = [resumed(target, Path(args.resume))] if args.resume else \
         [(make_draft(target, layers, shared), shared, layers) for shared, layers in args.init]
     for d, shared, layers in inits:
-        ps = list(own_parameters(d, shared).values())
+        if args.fusion and d.fusion is None:
+            add_fusion(d, args.fusion, args.fusion_ages)
+        # a fusion draft trains only its fusion module (without the target's state it proposes as before), unless
+        # --train-body
+        if d.fusion is not None and not args.train_body:
+            d.requires_grad_(False)
+            d.fusion.requires_grad_(True)
+        ps = list(d.fusion.parameters() if d.fusion is not None and not args.train_body else
+                  own_parameters(d, shared).values())
         runs.append({"shared": shared, "layers": layers, "draft": d, "params": ps, "losses": [],
                      "opt": torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)})
     val_wins = sample_windows(seqs[1], random.Random(1), 2, args.sink, args.window, 0.75)
@@ -332,7 +369,7 @@ def train(args) -> None:
         with torch.no_grad():
             for a in range(0, len(val_wins), args.windows):
                 b = batch_tensors(seqs[1], val_wins[a:a + args.windows], args.sink, args.window, dev)
-                stats.append(distil_loss(draft, head_ids, b, soft_labels(target, head_ids, b, [1.0, 0.6]),
+                stats.append(distil_loss(draft, head_ids, b, soft_labels(target, head_ids, b, [1.0, 0.6], ages(draft)),
                                          [1.0, 0.6], args.sink))
         draft.train()
         return {"kl": float(np.mean([l.item() for l, _ in stats])),
@@ -359,7 +396,7 @@ def train(args) -> None:
         picked = [seqs[0][i] for i in rng.sample(range(len(seqs[0])), min(args.seqs, len(seqs[0])))]
         wins = sample_windows(picked, rng, per_seq, args.sink, args.window, args.answer_share)
         b = batch_tensors(picked, wins, args.sink, args.window, dev)
-        labels = soft_labels(target, head_ids, b, args.temps)
+        labels = soft_labels(target, head_ids, b, args.temps, ages(runs[0]["draft"]))
         for r in runs:
             for g in r["opt"].param_groups:
                 g["lr"] = lr
@@ -372,20 +409,23 @@ def train(args) -> None:
         step += 1
         if step % args.log_every == 0:
             history.append({"step": step, "seconds": round(time.time() - t1, 1), "lr": lr, "loss": loss.item(), **st})
-            log(f"  step {step} {time.time() - t1:.0f}s loss {loss.item():.3f} top1 {st['top1']:.3f}")
+            log(f"  step {step} {time.time() - t1:.0f}s loss {loss.item():.3f} "
+                + " ".join(f"{k} {v:.3f}" for k, v in st.items() if k.startswith("top1")))
     best = min(runs, key=lambda r: np.mean(r["losses"][-10:]))
     draft, before, init_layers, shared = best["draft"], best["val_before"], best["layers"], best["shared"]
-    n_params = sum(p.numel() for p in best["params"])
+    n_params = sum(p.numel() for p in own_parameters(draft, shared).values())
     train_s = time.time() - t1
     after = evaluate(draft)
     log(f"trained {step} steps in {train_s:.0f}s; val after: {after}")
 
-    own = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in own_parameters(draft, shared).items()}
-    if args.int8:  # matrices as int8 rows + a bf16 scale per row (more layers under the 20 MB asset limit)
-        for k in [k for k, v in own.items() if v.dim() == 2]:
-            w = own[k].float()
-            scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8)
-            own[k], own[k + ".scale"] = (w / scale).round().to(torch.int8), scale.to(torch.bfloat16)
+    own = {k: v.detach().float().contiguous() for k, v in own_parameters(draft, shared).items()}
+    for k in list(own):
+        if args.int8 and own[k].dim() == 2:  # int8 rows + a bf16 scale per row (more layers under the 20 MB limit)
+            scale = (own[k].abs().amax(1, keepdim=True) / 127).clamp_min(1e-8).to(torch.bfloat16)
+            # stored weights re-stored unchanged give the same bytes (a fusion run leaves the body as it was)
+            own[k], own[k + ".scale"] = (own[k] / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
+        else:
+            own[k] = own[k].to(torch.bfloat16)
     save_file(own, out / "model.safetensors", metadata={"format": "pt"})
     save_file({"ids": head_ids.cpu()}, out / HEAD_FILE)
     config = hf.config.to_dict()
@@ -396,6 +436,10 @@ def train(args) -> None:
         "shared_layers": shared, "init_layers": init_layers, "own_parameters": n_params,
         "sink": args.sink, "window": args.window, "temperatures": args.temps, "steps": step, "seed": args.seed,
         "int8": args.int8, "resumed_from": args.resume, "head_vocab": {"file": HEAD_FILE, **head_meta}}
+    if draft.fusion is not None:
+        config["triforce_draft"]["fusion"] = {
+            "hidden": draft.fusion.up.out_features, "ages": ages(draft),
+            "feature": "the target's final-normed hidden state that produced the last token, `age` positions back"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     report = {"command": " ".join(sys.argv), "args": vars(args), "device": torch.cuda.get_device_name() if
               dev.type == "cuda" else "cpu", "torch": torch.__version__, "generation_seconds": round(gen_s, 1),
@@ -459,6 +503,12 @@ def main(argv=None) -> None:
     t.add_argument("--train-seconds", type=float, default=200)
     t.add_argument("--log-every", type=int, default=25)
     t.add_argument("--int8", action="store_true", help="store matrices as int8 + per-row scale (half the size)")
+    t.add_argument("--fusion", type=int, default=0,
+                   help="width of a fusion module to add (0: none): the draft then also reads the target's hidden "
+                        "state that produced the last token; only the module trains (see --train-body)")
+    t.add_argument("--train-body", action="store_true", help="a fusion draft's own layers train too")
+    t.add_argument("--fusion-ages", type=int, default=2,
+                   help="how far back that state may lie (level 1 proposes gamma1 tokens per target state)")
     t.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     {"prepare": prepare, "answers": answers_stage, "train": train}[args.stage](args)

@@ -1,5 +1,6 @@
 """core.distill end to end at toy scale on the CPU: prepare -> answers -> train -> a draft the engine loads ->
-train --resume goes on from exactly those weights; answers for other prompts are refused."""
+train --resume goes on from exactly those weights, or adds a fusion module that alone trains; answers for other
+prompts are refused."""
 
 import json
 
@@ -65,3 +66,29 @@ def test_answers_for_other_prompts_are_refused(data, tmp_path):
     assert distill.read_answers([str(tmp_path / "a.npz")], prompts)[0] == ([1, 2], 0.0)
     with pytest.raises(ValueError, match="other prompts"):
         distill.read_answers([str(tmp_path / "a.npz")], [[9, 9, 9]] + prompts[1:])
+
+
+def test_fusion_trains_only_its_module_and_loads(data, embedded, tmp_path):
+    if not (data / "a.npz").exists():
+        distill.main(["answers", "--data", str(data), "--out", str(data / "a.npz"), "--answer-tokens", "5",
+                      "--gen-batch", "4", "--device", "cpu"])
+    _train(data, tmp_path / "d1", "--init", "2+2", "--trial-steps", "0")
+    fused = _train(data, tmp_path / "d2", "--resume", str(tmp_path / "d1"), "--fusion", "32", "--fusion-ages", "3",
+                   "--lr", "1e-2")
+    before, after = fused["val_before"], fused["val_after"]
+    # a new fusion module leaves the draft as it was: every age starts at the plain draft's agreement
+    assert before["top1"] == before["top1_age1"] == before["top1_age2"] == before["top1_age3"]
+    assert after["top1"] == before["top1"]  # the body did not train
+    assert after["kl"] != before["kl"]
+    config = json.loads((tmp_path / "d2" / "config.json").read_text())["triforce_draft"]
+    assert config["fusion"]["hidden"] == 32 and config["fusion"]["ages"] == 3
+    plain, _ = load_draft(str(tmp_path / "d1"), embedded.target, embedded.tokenizer, "target", torch.device("cpu"),
+                          torch.float32)
+    draft, name = load_draft(str(tmp_path / "d2"), embedded.target, embedded.tokenizer, "target",
+                             torch.device("cpu"), torch.float32)
+    assert draft.fusion is not None and "fused" in name
+    for k, v in plain.named_parameters():  # the body did not move: only the fusion module trained
+        assert torch.equal(v, dict(draft.named_parameters())[k]), k
+    h, feature = torch.randn(2, draft.args.dim), torch.randn(draft.args.dim)
+    assert not torch.allclose(draft.fusion(h, feature, 1), h) and not torch.allclose(draft.fusion(h, feature, 1),
+                                                                                     draft.fusion(h, feature, 2))
