@@ -130,13 +130,13 @@ def run_triforce(document: str, instruction: str, preset_name: str, max_new_toke
                  chunk_size: float, gamma1: float, gamma2: float, drafter: str, reselect: str, reselect_every: float,
                  temperature: float, top_p: float, seed: float, greedy: bool, overflow: str,
                  draft_confidence: float = 0.0, lookup_min: float = GenerationConfig.lookup_min,
-                 heatmap_mode: str = HEATMAP_MODES[0],
+                 draft_fusion: bool = True, heatmap_mode: str = HEATMAP_MODES[0],
                  progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:
     """Stream one TriForce generation: status, coloured answer, heatmap, document view, stats, state."""
     settings = dict(max_new_tokens=max_new_tokens, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
                     drafter=drafter, reselect=reselect, reselect_every=reselect_every, temperature=temperature,
                     top_p=top_p, seed=seed, greedy=greedy, overflow=overflow,
-                    draft_confidence=draft_confidence, lookup_min=lookup_min)
+                    draft_confidence=draft_confidence, lookup_min=lookup_min, draft_fusion=draft_fusion)
     config = _settings("triforce", settings)
     progress(0, desc="Loading model")
     chosen = _prepare(document, instruction, preset_name)
@@ -197,12 +197,12 @@ def run_compare(document: str, instruction: str, preset_name: str, max_new_token
                 chunk_size: float, gamma1: float, gamma2: float, drafter: str, reselect: str, reselect_every: float,
                 temperature: float, top_p: float, seed: float, greedy: bool, overflow: str,
                 draft_confidence: float = 0.0, lookup_min: float = GenerationConfig.lookup_min,
-                progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:
+                draft_fusion: bool = True, progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:
     """Autoregressive then TriForce on the same input and seed, streamed side by side."""
     settings = dict(max_new_tokens=max_new_tokens, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
                     drafter=drafter, reselect=reselect, reselect_every=reselect_every, temperature=temperature,
                     top_p=top_p, seed=seed, greedy=greedy, overflow=overflow,
-                    draft_confidence=draft_confidence, lookup_min=lookup_min)
+                    draft_confidence=draft_confidence, lookup_min=lookup_min, draft_fusion=draft_fusion)
     configs = {"ar": _settings("ar", settings), "triforce": _settings("triforce", settings)}
     progress(0, desc="Loading model")
     chosen = _prepare(document, instruction, preset_name)

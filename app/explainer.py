@@ -18,6 +18,8 @@ part of its own cache is a cheap and very accurate draft. TriForce stacks three 
 1. **Level 1: tiny drafter.** A small model (or an n-gram lookup in the prompt) with a StreamingLLM cache
    (attention-sink tokens plus a recent window) proposes γ1 tokens at a time; where the text's last few tokens
    occurred earlier in the document, the model drafter copies what followed them (it cannot see that far back).
+   The embedded draft also reads the target's hidden state that produced the last token (computed by level 2 or
+   3, which read the document), mixed into its own before its head.
 2. **Level 2: target + retrieval cache.** The target model attends only to a *budget* of cache entries: the prompt
    is cut into chunks, each chunk is summarised by its mean key, and per layer and KV head the chunks whose mean
    key best matches the current query are kept (chunk 0, the attention sink, always). It verifies level-1 tokens

@@ -73,6 +73,10 @@ def build_demo() -> gr.Blocks:
                                                    label="Copy from the text after a match of (tokens)",
                                                    info="the draft model proposes what followed the text's last "
                                                         "tokens where they occurred before (0: never)")
+                            draft_fusion = gr.Checkbox(True, label="Draft reads the target's hidden state",
+                                                       info="a draft distilled with a fusion module (the embedded "
+                                                            "one) also reads the state of level 2 or 3 that produced "
+                                                            "the last token; off: the draft alone")
                             with gr.Row():
                                 reselect = gr.Radio(list(RESELECT_POLICIES), value="once", label="Re-select chunks")
                                 reselect_every = gr.Number(8, label="N (rounds)", precision=0, minimum=1)
@@ -133,7 +137,7 @@ def build_demo() -> gr.Blocks:
 
         settings = [preset_name, max_new_tokens, budget, chunk_size, gamma1, gamma2, drafter, reselect,
                     reselect_every, temperature, top_p, seed, greedy, overflow, draft_confidence,
-                    lookup_min]
+                    lookup_min, draft_fusion]
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document")
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")

@@ -33,7 +33,7 @@ def _float(name: str, value: float | int | str | None) -> float:
 def build_config(method: str, max_new_tokens: float, budget: float, chunk_size: float, gamma1: float, gamma2: float,
                  drafter: str, reselect: str, reselect_every: float, temperature: float, top_p: float, seed: float,
                  greedy: bool, overflow: str, draft_confidence: float = 0.0,
-                 lookup_min: float = GenerationConfig.lookup_min) -> GenerationConfig:
+                 lookup_min: float = GenerationConfig.lookup_min, draft_fusion: bool = True) -> GenerationConfig:
     """A validated GenerationConfig from widget values; anything invalid raises TriForceError with the fix."""
     if drafter not in DRAFTERS:
         raise TriForceError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}.")
@@ -48,5 +48,5 @@ def build_config(method: str, max_new_tokens: float, budget: float, chunk_size: 
         temperature=_float("temperature", temperature), top_p=_float("top-p", top_p), seed=_int("seed", seed),
         greedy=bool(greedy), overflow=overflow,
         draft_confidence=_float("draft confidence gate", draft_confidence),
-        lookup_min=_int("copy after a match of", lookup_min))
+        lookup_min=_int("copy after a match of", lookup_min), draft_fusion=bool(draft_fusion))
     return config.validate()

@@ -25,6 +25,7 @@ def test_shipped_draft_is_loaded_small_and_shares_the_embedding(embedded):
     assert len(ids) == head["size"] < target.args.vocab_size and set(embedded.target.eos_ids) <= set(ids.tolist())
     assert torch.equal(draft.lm_head.weight, target.lm_head.weight[ids])
     assert len(draft.layers) < len(target.layers) and draft.args.dim == target.args.dim
+    assert draft.fusion is not None and "fused" in embedded.info["draft"]
     assert sum(f.stat().st_size for f in DRAFT_DIR.iterdir()) < 20e6
 
 
@@ -54,6 +55,19 @@ def test_greedy_triforce_with_the_draft_equals_ar(embedded):
     assert {"copy", "draft"} <= set(provenance["triforce"]) and any(copied) and not all(copied)
 
 
+def test_fusion_changes_what_the_draft_proposes_not_the_answer(embedded):
+    """Greedy, with and without the target's hidden states: the same answer (AR's), other proposals."""
+    doc = DOC.read_text()[:3000]
+    runs = {}
+    for fusion in (True, False):
+        cfg = GenerationConfig(greedy=True, max_new_tokens=24, budget=256, lookup_min=0, draft_fusion=fusion)
+        events = list(embedded.generate(doc, "What does the document say about the King?", cfg))
+        runs[fusion] = (next(e for e in events if isinstance(e, Finished)).token_ids,
+                        [e.tokens for e in events if isinstance(e, DraftProposal)])
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] != runs[False][1]
+
+
 def test_int8_draft_is_dequantised_and_shares_the_target_layers(embedded):
     from safetensors.torch import load_file
 
@@ -66,7 +80,7 @@ def test_int8_draft_is_dequantised_and_shares_the_target_layers(embedded):
     for k in [k for k in stored if k.endswith(".scale")]:  # int8 rows x a bf16 scale per row (core.distill --int8)
         w = k.removesuffix(".scale")
         assert stored[w].dtype == torch.int8
-        expected = (stored[w].to(torch.bfloat16) * stored[k]).to(params[w].dtype)
+        expected = (stored[w].float() * stored[k].float()).to(params[w].dtype)  # exact, in float32
         assert torch.equal(params[w], expected)
 
 
