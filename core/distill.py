@@ -354,11 +354,11 @@ def train(args) -> None:
             add_fusion(d, args.fusion, args.fusion_ages)
         # a fusion draft trains only its fusion module (without the target's state it proposes as before), unless
         # --train-body
-        if d.fusion is not None and not args.train_body:
+        fusion_only = d.fusion is not None and not args.train_body
+        if fusion_only:
             d.requires_grad_(False)
             d.fusion.requires_grad_(True)
-        ps = list(d.fusion.parameters() if d.fusion is not None and not args.train_body else
-                  own_parameters(d, shared).values())
+        ps = list(d.fusion.parameters() if fusion_only else own_parameters(d, shared).values())
         runs.append({"shared": shared, "layers": layers, "draft": d, "params": ps, "losses": [],
                      "opt": torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)})
     val_wins = sample_windows(seqs[1], random.Random(1), 2, args.sink, args.window, 0.75)
@@ -413,12 +413,12 @@ def train(args) -> None:
                 + " ".join(f"{k} {v:.3f}" for k, v in st.items() if k.startswith("top1")))
     best = min(runs, key=lambda r: np.mean(r["losses"][-10:]))
     draft, before, init_layers, shared = best["draft"], best["val_before"], best["layers"], best["shared"]
-    n_params = sum(p.numel() for p in own_parameters(draft, shared).values())
+    own = {k: v.detach().float().contiguous() for k, v in own_parameters(draft, shared).items()}
+    n_params = sum(v.numel() for v in own.values())
     train_s = time.time() - t1
     after = evaluate(draft)
     log(f"trained {step} steps in {train_s:.0f}s; val after: {after}")
 
-    own = {k: v.detach().float().contiguous() for k, v in own_parameters(draft, shared).items()}
     for k in list(own):
         if args.int8 and own[k].dim() == 2:  # int8 rows + a bf16 scale per row (more layers under the 20 MB limit)
             scale = (own[k].abs().amax(1, keepdim=True) / 127).clamp_min(1e-8).to(torch.bfloat16)

@@ -27,11 +27,9 @@ class Level:
         self.model, self.cache = model, cache
         self.tokens = list(tokens)  # the sequence the cache holds keys/values for
         self.forwards = 0
-        self.hidden: torch.Tensor | None = None  # the rows the last call's logits came from
 
     def logits(self, seq: list[int], n_last: int, trusted: int = 0, extra: Sequence[int] = ()) -> torch.Tensor:
-        """Float32 logits [n_last, V] predicting the tokens after each of the last n_last positions of seq + extra;
-        their normed hidden states are kept in self.hidden.
+        """Float32 logits [n_last, V] predicting the tokens after each of the last n_last positions of seq + extra.
 
         `trusted`: a length up to which seq is known to equal what this level saw before (skips comparing it).
         `extra`: tokens after seq, passed apart so that a long seq is never copied.
@@ -39,7 +37,7 @@ class Level:
         return self.model.head(self.states(seq, n_last, trusted, extra))
 
     def states(self, seq: list[int], n_last: int, trusted: int = 0, extra: Sequence[int] = ()) -> torch.Tensor:
-        """The normed hidden states [n_last, D] of the last n_last positions of seq + extra (kept in self.hidden)."""
+        """The normed hidden states [n_last, D] of the last n_last positions of seq + extra (logits: model.head)."""
         total = len(seq) + len(extra)
         start = min(trusted, len(self.tokens), total - n_last)
         tail = seq[start:] + list(extra)  # short: `trusted` is near the end
@@ -54,7 +52,6 @@ class Level:
         del self.tokens[keep:]
         self.tokens.extend(new)
         self.forwards += 1
-        self.hidden = out
         return out
 
     def prefill(self, ids: list[int], chunk: int):

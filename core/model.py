@@ -274,10 +274,10 @@ class Fusion(nn.Module):
         self.age = nn.Embedding(ages, hidden)
         self.down = nn.Linear(hidden, dim, bias=False)
 
-    def forward(self, h: torch.Tensor, feature: torch.Tensor, age: int | torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, feature: torch.Tensor, age: int) -> torch.Tensor:
         """h [..., D], feature [..., D] (broadcast to h), age >= 1 (clamped to the ages trained)."""
-        age = torch.as_tensor(age, device=h.device).clamp(1, self.age.num_embeddings) - 1
-        z = self.up(torch.cat([h, feature.to(h.dtype).expand_as(h)], -1)) + self.age(age)
+        bias = self.age.weight[min(max(age, 1), self.age.num_embeddings) - 1]  # no host tensor per draft step
+        z = self.up(torch.cat([h, feature.to(h.dtype).expand_as(h)], -1)) + bias
         return h + self.down(F.silu(z))
 
 

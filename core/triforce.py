@@ -76,7 +76,8 @@ def draft_level2(drafter: Drafter, level2: Level, seq: list[int], committed: int
         proposals, q1, copied = drafter.propose(seq, min(cfg.gamma1, cfg.gamma2 - len(tokens)), committed, tokens,
                                                 feature)
         t1 = time.perf_counter()
-        p2 = distributions(level2.logits(seq, len(proposals) + 1, committed, tokens + proposals), cfg)
+        h2 = level2.states(seq, len(proposals) + 1, committed, tokens + proposals)
+        p2 = distributions(level2.model.head(h2), cfg)
         # The residual is explicit here: the reference code samples from p2 instead, which biases level 3's q.
         accepted, token = speculative_verify(proposals, q1, p2, generator, residual=residual_distribution)
         timing["level1"] += t1 - t0
@@ -88,7 +89,7 @@ def draft_level2(drafter: Drafter, level2: Level, seq: list[int], committed: int
             yield DraftProposal(round_, proposals, copied)
         yield Verdict(2, round_, proposals, accepted, token, accepted == len(proposals))
         tokens += proposals[:accepted] + [token]
-        feature = level2.hidden[accepted]
+        feature = h2[accepted]
         qs += list(p2[:accepted + 1])
         provenance += ["copy" if c else "draft" for c in copied[:accepted]] + ["level2"]
     yield tokens[:cfg.gamma2], qs[:cfg.gamma2], provenance[:cfg.gamma2]
@@ -117,9 +118,10 @@ def triforce(target: Level, prompt: list[int], drafter: Drafter, cfg: Generation
         t0 = time.perf_counter()
         reselect = retrieval.due(round_)
         full.record_rows = len(draft) + 1 if reselect else 0
-        p3 = distributions(target.logits(seq, len(draft) + 1, committed, draft), cfg)
+        h3 = target.states(seq, len(draft) + 1, committed, draft)
+        p3 = distributions(target.model.head(h3), cfg)
         accepted, token = speculative_verify(draft, torch.stack(q2), p3, generator)
-        feature = target.hidden[accepted]
+        feature = h3[accepted]
         level3_s = time.perf_counter() - t0
         tally.level2_proposed += len(draft)
         tally.level2_accepted += accepted
