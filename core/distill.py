@@ -100,9 +100,10 @@ def own_parameters(draft, shared: int) -> dict[str, torch.nn.Parameter]:
 
 
 
-def generate_answers(hf, prompts, split, settings, batch, max_new, eos_ids, device, time_cap, log):
-    """The target's answers to prompts (ids lists), batch by batch, settings cycling per batch: validation prompts
-    first, then training prompts in a random order (sorted by length within groups of 8 batches, less padding)."""
+def generate_answers(hf, prompts, split, settings, batch, max_new, eos_ids, device, time_cap, log, offset=0):
+    """The target's answers to prompts (ids lists), batch by batch, settings cycling per batch from settings[offset]:
+    validation prompts first, then training prompts in a random order (sorted by length within groups of 8 batches,
+    less padding)."""
     rng = random.Random(0)
     train = [i for i in range(len(prompts)) if split[i] == 0]
     rng.shuffle(train)
@@ -119,7 +120,7 @@ def generate_answers(hf, prompts, split, settings, batch, max_new, eos_ids, devi
         for r, i in enumerate(idx):
             ids[r, length - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[r, length - len(prompts[i]):] = 1
-        temp, top_p = settings[n % len(settings)]
+        temp, top_p = settings[(n + offset) % len(settings)]
         kw = dict(do_sample=True, temperature=temp, top_p=top_p) if temp > 0 else dict(do_sample=False)
         with torch.no_grad():
             out = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
@@ -247,16 +248,16 @@ def save_answers(path: Path, prompts, answers) -> None:
              prompt_digest=np.array([hash_ids(prompts[i]) for i in done], dtype=np.int64))
 
 
-def read_answers(paths: list[str], prompts) -> list:
-    """Answers saved by save_answers for these prompts (a prompt answered in several files keeps the last)."""
-    answers = [None] * len(prompts)
+def read_answers(paths: list[str], prompts) -> list[list]:
+    """For each prompt, its answers saved by save_answers in these files (one per file that answers it)."""
+    answers = [[] for _ in prompts]
     for path in paths:
         npz = dict(np.load(path))  # (each npz[...] would read the file again)
         off, ids, digest = npz["offsets"], npz["ids"], npz["prompt_digest"]
         for k, i in enumerate(npz["index"]):
             if i >= len(prompts) or hash_ids(prompts[i]) != digest[k]:
                 raise ValueError(f"{path} answers other prompts than the data directory's (prompt {i})")
-            answers[i] = (ids[off[k]:off[k + 1]].tolist(), float(npz["temperature"][k]))
+            answers[i].append((ids[off[k]:off[k + 1]].tolist(), float(npz["temperature"][k])))
     return answers
 
 
@@ -268,10 +269,11 @@ def answers_stage(args) -> None:
     """Only sample the target's answers (GPU) and save them, for one or more later `train --answers` runs."""
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.time()
+    torch.manual_seed(args.seed)
     _, _, hf, eos_ids = load_hf(args.target, dev)
     prompts, split = load_prompts(Path(args.data), args.max_prompts)
     answers = generate_answers(hf, prompts, split, SETTINGS, args.gen_batch, args.answer_tokens, eos_ids, dev,
-                               args.gen_seconds, print)
+                               args.gen_seconds, print, args.seed)
     save_answers(Path(args.out), prompts, answers)
     n = sum(len(a[0]) for a in answers if a)
     print(f"{sum(a is not None for a in answers)} answers, {n} tokens in {time.time() - t0:.0f}s -> {args.out}")
@@ -333,15 +335,15 @@ def train(args) -> None:
     if args.answers:
         answers = read_answers(args.answers, prompts)
     else:
-        answers = generate_answers(hf, prompts, split, SETTINGS, args.gen_batch, args.answer_tokens, eos_ids, dev,
-                                   args.gen_seconds, log)
-        save_answers(out / "answers.npz", prompts, answers)
+        generated = generate_answers(hf, prompts, split, SETTINGS, args.gen_batch, args.answer_tokens, eos_ids, dev,
+                                     args.gen_seconds, log, args.seed)
+        save_answers(out / "answers.npz", prompts, generated)
+        answers = [[a] if a else [] for a in generated]
     gen_s = time.time() - t0
     seqs = {0: [], 1: []}
-    for pr, a, s in zip(prompts, answers, split):
-        if a is not None:
-            seqs[int(s)].append((pr + a[0], len(pr)))
-    n_ans = sum(len(a[0]) for a in answers if a)
+    for pr, own, s in zip(prompts, answers, split):
+        seqs[int(s)] += [(pr + a[0], len(pr)) for a in own]
+    n_ans = sum(len(a[0]) for own in answers for a in own)
     log(f"answers: {len(seqs[0])} train / {len(seqs[1])} val sequences, {n_ans} answer tokens in {gen_s:.0f}s")
     head_ids = load_file((Path(args.resume) if args.resume else data) / HEAD_FILE)["ids"].to(dev)  # a draft's own
 
@@ -483,6 +485,8 @@ def main(argv=None) -> None:
         x.add_argument("--gen-batch", type=int, default=256)
         x.add_argument("--gen-seconds", type=float, default=90)
     g.add_argument("--out", default="out/answers.npz")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; also shifts which prompts get which setting (another run: other answers)")
     t.add_argument("--out", default="out/draft")
     t.add_argument("--answers", nargs="+", default=None, help="answers files written by the answers stage")
     t.add_argument("--resume", default=None, help="go on training this draft directory (written by train)")

@@ -60,10 +60,12 @@ def test_prepare_answers_train_resume(data, embedded, tmp_path):
     assert config["resumed_from"] == str(tmp_path / "d1") and config["head_vocab"]["size"] == 600
 
 
-def test_answers_for_other_prompts_are_refused(data, tmp_path):
+def test_answers_files_add_up_and_other_prompts_are_refused(data, tmp_path):
     prompts, _ = distill_data.load_prompts(data, 0)
     distill.save_answers(tmp_path / "a.npz", prompts, [([1, 2], 0.0)] + [None] * (len(prompts) - 1))
-    assert distill.read_answers([str(tmp_path / "a.npz")], prompts)[0] == ([1, 2], 0.0)
+    distill.save_answers(tmp_path / "b.npz", prompts, [([3], 0.5), ([4, 5], 1.0)] + [None] * (len(prompts) - 2))
+    both = distill.read_answers([str(tmp_path / "a.npz"), str(tmp_path / "b.npz")], prompts)
+    assert both[:3] == [[([1, 2], 0.0), ([3], 0.5)], [([4, 5], 1.0)], []]
     with pytest.raises(ValueError, match="other prompts"):
         distill.read_answers([str(tmp_path / "a.npz")], [[9, 9, 9]] + prompts[1:])
 

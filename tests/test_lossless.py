@@ -124,14 +124,14 @@ def test_reduced_draft_head_is_lossless(one_thread):
     kept = torch.tensor([0, 2, 3, 5, 7, 8])
     engine.draft.restrict_head(kept)
     cfg = GenerationConfig(**CFG, lookup_min=0).validate()  # (a copied continuation may lie outside the head)
-    drafter = engine._drafter(cfg, prompt, torch.Generator().manual_seed(0))
+    drafter = engine._drafter(cfg, prompt, torch.Generator(DEVICE).manual_seed(0))
     outside = [i for i in range(VOCAB) if i not in kept.tolist()]
     with torch.no_grad():
         for _ in range(20):
             tokens, q, copied = drafter.propose(prompt, 2, len(prompt) - 1)
             assert copied == [False, False]
             assert set(tokens) <= set(kept.tolist()) and q.shape == (2, VOCAB)
-            assert float(q[:, outside].sum()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(2))
+            assert float(q[:, outside].sum()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(2, device=q.device))
             assert all(q[i, t] > 0 for i, t in enumerate(tokens))
         expected = target_pairs(engine, prompt)
         counts, levels = emitted_pairs(engine, prompt, GATED_DRAWS)
@@ -144,7 +144,7 @@ def test_lookup_assisted_drafting_is_lossless(one_thread):
     """The model drafter copying prompt-lookup continuations (proposed with q one-hot) stays exact."""
     engine, prompt = tiny_engine()
     cfg = GenerationConfig(**CFG, lookup_min=2).validate()
-    drafter = engine._drafter(cfg, prompt, torch.Generator().manual_seed(0))
+    drafter = engine._drafter(cfg, prompt, torch.Generator(DEVICE).manual_seed(0))
     seq, copied = list(prompt), 0
     with torch.no_grad():
         for _ in range(10):  # accept every proposal: the text grows, some of its bigrams recur
@@ -196,7 +196,7 @@ def test_fused_drafting_gets_the_target_state_and_is_lossless(monkeypatch, one_t
             tol = 1e-4 if DEVICE == "cpu" else 3e-2
             torch.testing.assert_close(feature, want, atol=tol, rtol=tol)
         drafter = engine._drafter(GenerationConfig(**CFG, lookup_min=0).validate(), prompt,
-                                  torch.Generator().manual_seed(0))
+                                  torch.Generator(DEVICE).manual_seed(0))
         plain = drafter.propose(prompt, 1, len(prompt) - 1).q
         fused = drafter.propose(prompt, 1, len(prompt) - 1, feature=calls[1][1]).q
         assert (plain - fused).abs().sum() > 0.1
