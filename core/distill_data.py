@@ -2,24 +2,26 @@
 template, and the token ids the draft's reduced LM head scores. `python -m core.distill prepare` runs it.
 
 Sources: the bundled documents except the held-out ones, Debian licences and copyright files, manual pages, Python
-standard-library sources, PyPI packages' README metadata, and the Debian packages python3.11-doc and
-debian-reference-en (downloaded from the Debian archive). Every text's origin is recorded in sources.json.
+standard-library sources, PyPI packages' README metadata, and the documentation in the Debian packages DEBS
+(downloaded from the Debian archive). Every text's origin is recorded in sources.json.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import json
 import os
 import random
 import re
 import subprocess
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from core.text import html_to_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "assets" / "docs"
@@ -45,40 +47,21 @@ CODE = [
     "Are there any potential bugs or edge cases in this code?", "Explain the code to a beginner.",
     "Write documentation for the main function in this code.", "What does this code return, and when?",
 ]
-GROUP_WEIGHTS = {"assets": 0.15, "common-licenses": 0.07, "debian-copyright": 0.08, "python-stdlib": 0.15,
-                 "pypi-metadata": 0.15, "python-docs": 0.2, "debian-reference": 0.1, "man-pages": 0.1}
+GROUP_WEIGHTS = {"assets": 0.07, "common-licenses": 0.04, "debian-copyright": 0.05, "python-stdlib": 0.1,
+                 "pypi-metadata": 0.09, "python-docs": 0.14, "debian-reference": 0.06, "man-pages": 0.06,
+                 "perl-doc": 0.06, "git-doc": 0.05, "postgresql-doc": 0.06, "debian-handbook": 0.07,
+                 "debian-guides": 0.05, "gnu-manuals": 0.04, "sqlite-doc": 0.06}
 HEAD_FILE = "head_vocab.safetensors"
-DEBS = ["python3.11-doc", "debian-reference-en", "debian-reference-common"]  # unpacked into --deb-root by prepare
+DEBS = ["python3.11-doc", "debian-reference-en", "debian-reference-common", "perl-doc", "git-doc", "postgresql-doc-15",
+        "debian-handbook", "developers-reference", "debian-policy", "maint-guide", "gnu-standards", "bash-doc",
+        "sqlite3-doc"]  # unpacked into --deb-root by prepare
 
 
-def _plain(path: Path) -> str:
-    return path.read_text(encoding="utf-8")
-
-
-class _HTMLText(HTMLParser):
-    """The visible text of an HTML page (scripts, styles and navigation left out)."""
-
-    def __init__(self):
-        super().__init__()
-        self.parts, self.skip = [], 0
-
-    def handle_starttag(self, tag, attrs):
-        self.skip += tag in ("script", "style", "nav", "head")
-        if tag in ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "pre"):
-            self.parts.append("\n")
-
-    def handle_endtag(self, tag):
-        self.skip -= tag in ("script", "style", "nav", "head") and self.skip > 0
-
-    def handle_data(self, data):
-        if not self.skip:
-            self.parts.append(data)
-
-
-def _html(path: Path) -> str:
-    parser = _HTMLText()
-    parser.feed(path.read_text(encoding="utf-8"))
-    return re.sub(r"\n\s*\n+", "\n\n", "".join(parser.parts))
+def _text(path: Path) -> str:
+    """A file's text: gzip-compressed or not, HTML reduced to its visible text."""
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    text = data.decode("utf-8")
+    return html_to_text(text) if ".htm" in path.name else text
 
 
 def _man(path: Path) -> str:
@@ -97,18 +80,19 @@ def _read(path: Path, reader, limit: int = 400_000) -> str | None:
 
 
 def unpack_debs(deb_root: Path) -> dict[str, str]:
-    """Download the Debian packages DEBS (apt) and unpack them into deb_root unless already there; their versions."""
+    """Download the Debian packages DEBS not yet in deb_root (apt) and unpack them there; all their versions."""
     stamp = deb_root / "versions.json"
-    if not stamp.exists():
+    versions = json.loads(stamp.read_text()) if stamp.exists() else {}
+    missing = [d for d in DEBS if d not in versions]
+    if missing:
         deb_root.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["apt-get", "download", *DEBS], cwd=deb_root, check=True, capture_output=True)
-        versions = {}
+        subprocess.run(["apt-get", "download", *missing], cwd=deb_root, check=True, capture_output=True)
         for deb in sorted(deb_root.glob("*.deb")):
             subprocess.run(["dpkg", "-x", str(deb), str(deb_root)], check=True)
-            versions[deb.name.split("_")[0]] = deb.name.split("_")[1]
+            versions[deb.name.split("_")[0]] = deb.name.split("_")[1].replace("%3a", ":")
             deb.unlink()
-        stamp.write_text(json.dumps(versions))
-    return json.loads(stamp.read_text())
+        stamp.write_text(json.dumps(versions, indent=1))
+    return {d: versions[d] for d in DEBS if d in versions}
 
 
 def gather_texts(cap_per_group: int, deb_root: Path, seed: int) -> list[dict]:
@@ -120,22 +104,36 @@ def gather_texts(cap_per_group: int, deb_root: Path, seed: int) -> list[dict]:
     stdlib = Path(os.__file__).parent
     site = Path(np.__file__).parent.parent
     python_docs = deb_root / "usr/share/doc/python3.11/html/_sources"
+    doc = deb_root / "usr/share/doc"
     man = [Path(p) for s in (1, 5, 7, 8) for p in glob.glob(f"/usr/share/man/man{s}/*.gz")]
     candidates = [
-        ("assets", [p for p in DOCS.glob("*.txt") if p.name not in HOLDOUT], _plain, "see assets/docs/SOURCES.md"),
-        ("common-licenses", list(Path("/usr/share/common-licenses").glob("*")), _plain,
+        ("assets", [p for p in DOCS.glob("*.txt") if p.name not in HOLDOUT], _text, "see assets/docs/SOURCES.md"),
+        ("common-licenses", list(Path("/usr/share/common-licenses").glob("*")), _text,
          "the licence texts themselves"),
-        ("debian-copyright", [Path(p) for p in glob.glob("/usr/share/doc/*/copyright")], _plain,
+        ("debian-copyright", [Path(p) for p in glob.glob("/usr/share/doc/*/copyright")], _text,
          "Debian copyright files"),
-        ("python-stdlib", list(stdlib.glob("*.py")), _plain, "PSF-2.0 (CPython standard library)"),
-        ("pypi-metadata", [Path(p) for p in glob.glob(str(site / "*.dist-info" / "METADATA"))], _plain,
+        ("python-stdlib", list(stdlib.glob("*.py")), _text, "PSF-2.0 (CPython standard library)"),
+        ("pypi-metadata", [Path(p) for p in glob.glob(str(site / "*.dist-info" / "METADATA"))], _text,
          "each package's own licence (named in its METADATA)"),
         # the Python documentation's sources, minus the socket HOWTO (held out) and the socket module's reference
-        ("python-docs", [p for p in python_docs.rglob("*.rst.txt") if "socket" not in p.name], _plain,
+        ("python-docs", [p for p in python_docs.rglob("*.rst.txt") if "socket" not in p.name], _text,
          "PSF-2.0 (Debian package python3.11-doc)"),
-        ("debian-reference", list((deb_root / "usr/share/debian-reference").glob("*.en.html")), _html,
+        ("debian-reference", list((deb_root / "usr/share/debian-reference").glob("*.en.html")), _text,
          "GPL-2+ (Debian package debian-reference-en)"),
         ("man-pages", man, _man, "each Debian package's own licence (/usr/share/doc/<package>/copyright)"),
+        ("perl-doc", list(deb_root.glob("usr/share/perl/*/pod/*.pod")), _text,
+         "GPL-1+ or Artistic (Debian package perl-doc)"),
+        ("git-doc", list((doc / "git-doc").rglob("*.txt")), _text, "GPL-2 (Debian package git-doc)"),
+        ("postgresql-doc", list((doc / "postgresql-doc-15/html").glob("*.html")), _text,
+         "PostgreSQL licence (Debian package postgresql-doc-15)"),
+        ("debian-handbook", list((doc / "debian-handbook/html/en-US").glob("*.html")), _text,
+         "GPL-2+ or CC-BY-SA-3.0 (Debian package debian-handbook)"),
+        ("debian-guides", list((deb_root / "usr/share/developers-reference").glob("*.html"))
+         + list((doc / "debian-policy").glob("*.txt.gz")) + list((doc / "maint-guide").glob("*.en.txt.gz")),
+         _text, "GPL-2+ / MIT (Debian packages developers-reference, debian-policy, maint-guide)"),
+        ("gnu-manuals", list((doc / "gnu-standards").glob("*.text.gz")) + [doc / "bash/bashref.html"], _text,
+         "GFDL-1.3+ / GPL-3+ (Debian packages gnu-standards, bash-doc)"),
+        ("sqlite-doc", list((doc / "sqlite3").glob("*.html")), _text, "public domain (Debian package sqlite3-doc)"),
     ]
     rng = random.Random(seed)
     out, seen = [], set()
@@ -198,7 +196,7 @@ def prepare(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     flat = np.concatenate([np.asarray(p["ids"], dtype=np.uint16) for p in prompts])
     offsets = np.cumsum([0] + [len(p["ids"]) for p in prompts]).astype(np.int64)
-    np.savez(out / "prompts.npz", ids=flat, offsets=offsets, split=np.array([p["split"] for p in prompts]))
+    np.savez_compressed(out / "prompts.npz", ids=flat, offsets=offsets, split=np.array([p["split"] for p in prompts]))
     used = sorted({p["path"] for p in train})
     sources = {"holdout_documents_not_trained_on": HOLDOUT, "seed": args.seed, "debian_packages": debs,
                "prompts": len(train), "validation_prompts": len(val), "prompt_tokens": int(offsets[-1]),

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from core import TriForceError
+from core.text import html_to_text
 
 from app import callbacks
-from app.documents import MAX_UPLOAD_BYTES, DocumentError, html_to_text, load_samples, read_document
+from app.documents import MAX_UPLOAD_BYTES, DocumentError, load_samples, read_document
 from app.figures import HEATMAP_MODES, compare_bars, pick_rows, selection_heatmap
 from app.presets import CUSTOM, EMBEDDED, PRESETS, all_presets, env_preset
 from app.settings import build_config
@@ -106,6 +107,7 @@ def test_oversized_upload_is_refused(tmp_path: Path) -> None:
 
 def test_html_to_text_skips_hidden_elements() -> None:
     assert html_to_text("<div>a</div><noscript>no</noscript><template>t</template>b") == "a\nb"
+    assert html_to_text("<nav><a>Home</a></nav><p>x &amp; y</p>") == "x & y"
 
 
 def test_bundled_samples_are_listed_with_instructions() -> None:
