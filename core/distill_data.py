@@ -130,9 +130,9 @@ def gather_texts(cap_per_group: int, deb_root: Path, seed: int) -> list[dict]:
          "GPL-2+ or CC-BY-SA-3.0 (Debian package debian-handbook)"),
         ("debian-guides", list((deb_root / "usr/share/developers-reference").glob("*.html"))
          + list((doc / "debian-policy").glob("*.txt.gz")) + list((doc / "maint-guide").glob("*.en.txt.gz")),
-         _text, "GPL-2+ / MIT (Debian packages developers-reference, debian-policy, maint-guide)"),
+         _text, "GPL-2 / GPL-2+ / GPL-2+ or MIT (Debian packages developers-reference, debian-policy, maint-guide)"),
         ("gnu-manuals", list((doc / "gnu-standards").glob("*.text.gz")) + [doc / "bash/bashref.html"], _text,
-         "GFDL-1.3+ / GPL-3+ (Debian packages gnu-standards, bash-doc)"),
+         "GFDL-1.3+ / GPL-3+ (Debian packages gnu-standards / bash-doc)"),
         ("sqlite-doc", list((doc / "sqlite3").glob("*.html")), _text, "public domain (Debian package sqlite3-doc)"),
     ]
     rng = random.Random(seed)
