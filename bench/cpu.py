@@ -1,7 +1,7 @@
 """CPU benchmark on the embedded model: AR vs TriForce tokens/s, acceptance per level and the cost of one level-1
 and one level-2 step, per drafter ("model:0.4" = the model drafter gated at draft confidence 0.4).
 
-python -m bench.cpu [--contexts 2048 8000] [--new-tokens 64] [--drafters model model:0.4 ngram none]
+python -m bench.cpu [--contexts 2048 8000] [--new-tokens 64] [--drafters model model:0.4 ngram none] [--draft DIR]
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ def main() -> None:
     p.add_argument("--drafters", nargs="+", default=["model", "model:0.4", "ngram", "none"])
     p.add_argument("--document", default="pride_and_prejudice.txt")
     p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--draft", default=None, help="default: the embedded target's shipped draft (assets/draft)")
+    p.add_argument("--name", default=None, help="results file name (default: cpu-budget<budget>)")
     args = p.parse_args()
-    engine = Engine.load()
+    engine = Engine.load(None, args.draft)
     drafters = [d for d in args.drafters if not d.startswith("model") or engine.draft is not None]
     rows = []
     for context in args.contexts:
@@ -63,7 +65,8 @@ def main() -> None:
                 print(f"{s.prompt_tokens:>6} {spec:>9} {str(sampling):>34} {s.tokens_per_s:6.2f} tok/s "
                       f"x{s.tokens_per_s / ar.tokens_per_s:.2f}  L1 {s.level1_acceptance:.2f} "
                       f"L2 {s.level2_acceptance:.2f}  {s.tokens_per_target_forward:.2f} tok/fwd {ratio}", flush=True)
-    path = save(f"cpu-budget{args.budget}", {**environment(), "model": engine.info, "budget": args.budget, "rows": rows})
+    path = save(args.name or f"cpu-budget{args.budget}",
+                {**environment(), "model": engine.info, "budget": args.budget, "rows": rows})
     print(f"saved {path}")
 
 
