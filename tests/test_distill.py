@@ -2,6 +2,7 @@
 train --resume goes on from exactly those weights, or adds a fusion module that alone trains; answers for other
 prompts are refused."""
 
+import gzip
 import json
 
 import numpy as np
@@ -94,3 +95,29 @@ def test_fusion_trains_only_its_module_and_loads(data, embedded, tmp_path):
     h, feature = torch.randn(2, draft.args.dim), torch.randn(draft.args.dim)
     assert not torch.allclose(draft.fusion(h, feature, 1), h) and not torch.allclose(draft.fusion(h, feature, 1),
                                                                                      draft.fusion(h, feature, 2))
+
+
+def test_debian_packages_are_fetched_once_and_read_as_text(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(cmd, cwd=None, **kw):  # apt-get download writes NAME_VERSION_all.deb files; dpkg -x unpacks one
+        calls.append(cmd[:2])
+        if cmd[0] == "apt-get":
+            for name in cmd[2:]:
+                (tmp_path / f"{name}_1%3a2.0_all.deb").write_bytes(b"")
+
+    monkeypatch.setattr(distill_data.subprocess, "run", fake_run)
+    monkeypatch.setattr(distill_data, "DEBS", ["a-doc", "b-doc"])
+    assert distill_data.unpack_debs(tmp_path) == {"a-doc": "1:2.0", "b-doc": "1:2.0"}
+    monkeypatch.setattr(distill_data, "DEBS", ["a-doc", "b-doc", "c-doc"])
+    calls.clear()
+    assert distill_data.unpack_debs(tmp_path)["c-doc"] == "1:2.0"
+    assert calls == [["apt-get", "download"], ["dpkg", "-x"]] and not list(tmp_path.glob("*.deb"))
+    calls.clear()
+    distill_data.unpack_debs(tmp_path)
+    assert calls == []  # all there: nothing downloaded
+
+    (tmp_path / "guide.txt.gz").write_bytes(gzip.compress("plain text".encode()))
+    (tmp_path / "page.html").write_text("<nav>Prev Next</nav><h1>Title</h1><p>Body &amp; more</p>")
+    assert distill_data._text(tmp_path / "guide.txt.gz") == "plain text"
+    assert distill_data._text(tmp_path / "page.html") == "Title\n\nBody & more"
