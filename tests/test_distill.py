@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from core import distill, distill_data
+from core.distill_data import unpack_debs  # the real one: the data fixture replaces the module's
 from core.loading import load_draft
 
 
@@ -108,13 +109,13 @@ def test_debian_packages_are_fetched_once_and_read_as_text(tmp_path, monkeypatch
 
     monkeypatch.setattr(distill_data.subprocess, "run", fake_run)
     monkeypatch.setattr(distill_data, "DEBS", ["a-doc", "b-doc"])
-    assert distill_data.unpack_debs(tmp_path) == {"a-doc": "1:2.0", "b-doc": "1:2.0"}
+    assert unpack_debs(tmp_path) == {"a-doc": "1:2.0", "b-doc": "1:2.0"}
     monkeypatch.setattr(distill_data, "DEBS", ["a-doc", "b-doc", "c-doc"])
     calls.clear()
-    assert distill_data.unpack_debs(tmp_path)["c-doc"] == "1:2.0"
+    assert unpack_debs(tmp_path)["c-doc"] == "1:2.0"
     assert calls == [["apt-get", "download"], ["dpkg", "-x"]] and not list(tmp_path.glob("*.deb"))
     calls.clear()
-    distill_data.unpack_debs(tmp_path)
+    unpack_debs(tmp_path)
     assert calls == []  # all there: nothing downloaded
 
     (tmp_path / "guide.txt.gz").write_bytes(gzip.compress("plain text".encode()))
