@@ -1,7 +1,7 @@
 """Level-1 acceptance (tokens accepted by level 2 / tokens proposed by level 1) of the model drafter vs the ngram
 drafter, on documents the draft was not trained on, greedy and at temperature 0.6 / top-p 0.9.
 
-python -m bench.acceptance [--new-tokens 48] [--target PATH --draft DIR] [--device cuda]
+python -m bench.acceptance [--new-tokens 48] [--target PATH --draft DIR --name NAME] [--device cuda]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--documents", nargs="+", default=HOLDOUT)
     p.add_argument("--drafters", nargs="+", default=["model", "model:0.5", "ngram"])
     p.add_argument("--seeds", type=int, default=1, help="sampled runs per instruction at T=0.6")
+    p.add_argument("--name", default="acceptance", help="results file name (bench/results/NAME-DATE.json)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     engine = Engine.load(args.target, args.draft, args.device)
@@ -58,7 +59,7 @@ def main() -> None:
                 "tokens_per_target_forward": t[2] / t[3] if t[3] else 0.0} for (s, d), t in totals.items()]
     payload = {"environment": environment(), "engine": engine.info, "documents": args.documents,
                "new_tokens": args.new_tokens, "gamma1": GenerationConfig().gamma1, "summary": summary, "runs": runs}
-    path = save("acceptance", payload)
+    path = save(args.name, payload)
     if args.out:
         Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nlevel-1 acceptance on held-out documents {', '.join(args.documents)} ({args.new_tokens} new tokens "
