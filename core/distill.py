@@ -243,9 +243,9 @@ def save_answers(path: Path, prompts, answers) -> None:
     done = [i for i, a in enumerate(answers) if a is not None]
     flat = [x for i in done for x in answers[i][0]]
     np.savez_compressed(path, index=np.array(done, dtype=np.int64), ids=np.array(flat, dtype=np.int32),
-             offsets=np.cumsum([0] + [len(answers[i][0]) for i in done]).astype(np.int64),
-             temperature=np.array([answers[i][1] for i in done], dtype=np.float32),
-             prompt_digest=np.array([hash_ids(prompts[i]) for i in done], dtype=np.int64))
+                        offsets=np.cumsum([0] + [len(answers[i][0]) for i in done]).astype(np.int64),
+                        temperature=np.array([answers[i][1] for i in done], dtype=np.float32),
+                        prompt_digest=np.array([hash_ids(prompts[i]) for i in done], dtype=np.int64))
 
 
 def read_answers(paths: list[str], prompts) -> list[list]:
