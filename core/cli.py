@@ -55,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--target", help="target model: hub id, directory or .gguf (default: embedded SmolLM2)")
         s.add_argument("--device")
         s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+        s.add_argument("--gpu-memory-gib", type=float, help="GPU memory the run may use (default: all); a full KV "
+                       "cache beyond it is kept in CPU memory (--offload auto)")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         document = Path(args.doc).read_text(encoding="utf-8")
         methods = [args.method] if args.command == "generate" else ["ar", "triforce"]
         configs = [_config(args, m) for m in methods]
-        engine = Engine.load(args.target, args.draft, args.device, args.dtype)
+        engine = Engine.load(args.target, args.draft, args.device, args.dtype, gpu_memory_gib=args.gpu_memory_gib)
         if args.command == "generate":
             result = _run(engine, document, args, configs[0], show=not args.json)
             if args.json:

@@ -45,7 +45,7 @@ class Graphs:
         key = (len(ids), n_rows, record)
         g = graphs.get(key)
         if g is None:
-            g = graphs[key] = _capture(model, cache, torch.tensor(ids, device=cache.k.device), n_rows, record)
+            g = graphs[key] = _capture(model, cache, torch.tensor(ids, device=cache.device), n_rows, record)
         else:
             g.ids.copy_(torch.tensor(ids), non_blocking=True)
         g.graph.replay()

@@ -19,22 +19,27 @@ from core.kvcache import CachePool, KVCache
 from core.levels import Level
 from core.loading import default_device, default_draft, default_dtype, load_draft, load_model
 from core.model import Transformer
+from core.offload import OffloadedKVCache
 from core.output import Output
+from core.placement import GiB, device_budget, plan
 from core.prompting import build_prompt
 from core.triforce import TriForce
 
 _LOADED: dict[tuple, "Engine"] = {}
 
 
-def default_prefill_chunk(model: Transformer) -> int:
+def default_prefill_chunk(model: Transformer, budget: int | None = None) -> int:
     """Tokens per prefill forward: 2048 on a CPU (a progress event each); on a GPU as many as half the free memory
-    holds the activations of (a long prompt in one forward: plain causal attention is the fastest there)."""
+    (within `budget` bytes for this process, if given) holds the activations of (a long prompt in one forward: plain
+    causal attention is the fastest there)."""
     if model.device.type != "cuda":
         return 2048
     a = model.args
     width = 4 * a.dim + (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + 4 * a.intermediate_size
     per_token = model.dtype.itemsize * width
     free, _ = torch.cuda.mem_get_info(model.device)
+    if budget is not None:
+        free = min(free, budget - torch.cuda.memory_reserved(model.device))
     return max(2048, free // 2 // per_token)
 
 
@@ -52,15 +57,17 @@ class Engine:
     _prefilled: tuple | None = None  # (prompt ids, full cache, its last prefill queries): reused by the next run
     pool: CachePool = field(default_factory=CachePool)  # retrieval/draft caches (and their CUDA graphs) kept
     graphs: Graphs | None = None  # CUDA graphs of decode steps (None: launched eagerly)
+    budget: int | None = None  # device memory bytes a run may plan on (None: a CPU)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, device: str | None = None,
              dtype: str | None = None, context_length: int | None = None, rope_scaling: dict | None = None,
-             progress=None, cuda_graphs: bool = True) -> "Engine":
+             progress=None, cuda_graphs: bool = True, gpu_memory_gib: float | None = None) -> "Engine":
         """Load (once per process for the same arguments) target and draft; None target = the embedded default,
         whose draft defaults to the one shipped in assets/draft ("" or "none": no draft model). `cuda_graphs`: replay
-        decode steps on a GPU from CUDA graphs (off: launch them eagerly)."""
-        key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs)
+        decode steps on a GPU from CUDA graphs (off: launch them eagerly). `gpu_memory_gib`: the GPU memory runs may
+        use (enforced; default: all of it); a full KV cache beyond it is offloaded to CPU memory (offload=auto)."""
+        key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs, gpu_memory_gib)
         if key in _LOADED:
             return _LOADED[key]
         dev = torch.device(device) if device else default_device()
@@ -78,10 +85,12 @@ class Engine:
         if model.args.attention_window:  # within the window full attention is exact; beyond it would not be
             ctx = min(ctx, model.args.attention_window)
         engine = cls(model, tok, src.name, draft_model, draft_name, ctx,
-                     graphs=Graphs() if cuda_graphs and dev.type == "cuda" else None)
+                     graphs=Graphs() if cuda_graphs and dev.type == "cuda" else None,
+                     budget=device_budget(dev, gpu_memory_gib))
         engine.info = {
             "target": src.name, "draft": draft_name, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
             "context_length": ctx, "attention_window": model.args.attention_window,
+            "gpu_memory_budget_gib": engine.budget / GiB if engine.budget else None,
             "target_params": sum(p.numel() for p in model.parameters()),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__},
@@ -109,15 +118,17 @@ class Engine:
         return self._run(prompt, cfg)
 
     def _run(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
-        cfg = cfg.resolved(offloaded=False)
         ids = prompt.ids
+        model = self.target
+        capacity = len(ids) + cfg.max_new_tokens + (cfg.gamma2 or 12) + 2
+        placement, cfg = plan(model, self.draft, capacity, len(ids), cfg, self.budget)
         cs = cfg.chunk_size
         yield PromptReady(len(ids), prompt.document_tokens, prompt.dropped_tokens, self.context_length,
                           cfg.max_new_tokens, cs,
-                          [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)])
-        model = self.target
+                          [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)],
+                          placement.offloaded, placement.describe())
         self.pool.release()
-        target = Level(model, self._full_cache(ids, cfg), [], self.graphs)
+        target = Level(model, self._full_cache(capacity, cfg, placement.offloaded), [], self.graphs)
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         t0 = time.perf_counter()
         for progress in self._prefill(target, ids, cfg, t0):
@@ -128,11 +139,14 @@ class Engine:
             loop = autoregressive(target, ids, cfg, generator, out)
         else:
             drafter = self.drafter(cfg, ids, generator)
-            run = TriForce(target, ids, self._prefilled[2], drafter, cfg, generator, out, self.pool, self.graphs)
+            index_device = model.device if placement.index_on_device else torch.device("cpu")
+            run = TriForce(target, ids, self._prefilled[2], drafter, cfg, generator, out, self.pool, self.graphs,
+                           index_device)
             loop = run.run()
         prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         forwards_before = target.forwards
+        moved_before = getattr(target.cache, "moved", 0)
         yield from loop
         decode_s = time.perf_counter() - t1
         n = len(out.ids)
@@ -149,17 +163,20 @@ class Engine:
             level2_proposed=counts.level2_proposed, level2_accepted=counts.level2_accepted,
             cache_bytes=target.cache.nbytes, retrieval_cache_bytes=run.retrieval.cache.nbytes if run else 0,
             stop_reason=out.stop_reason, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-            settings=cfg.to_dict())
+            settings=cfg.to_dict(), offloaded=placement.offloaded,
+            host_link_bytes=getattr(target.cache, "moved", 0) - moved_before)
         yield Finished(out.text, out.ids, ids, stats)
 
-    def _full_cache(self, ids: list[int], cfg: GenerationConfig) -> KVCache:
-        """A full cache with room for the prompt and the answer; the previous run's if it fits."""
+    def _full_cache(self, capacity: int, cfg: GenerationConfig, offloaded: bool) -> KVCache:
+        """A full cache with room for `capacity` tokens, in CPU memory when `offloaded`; the previous run's when it is
+        of that kind and fits (page-locking tens of GiB takes seconds: done once, not per run)."""
         a = self.target.args
-        need = len(ids) + cfg.max_new_tokens + cfg.gamma2 + 2
-        if self._prefilled and self._prefilled[1].capacity >= need:
-            return self._prefilled[1]
-        self._prefilled = None
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, need, self.target.dtype, self.target.device)
+        old = self._prefilled[1] if self._prefilled else None
+        if old is not None and isinstance(old, OffloadedKVCache) == offloaded and old.capacity >= capacity:
+            return old
+        self._prefilled = old = None  # freed before the new one is allocated
+        make = OffloadedKVCache if offloaded else KVCache
+        return make(a.n_layers, a.n_kv_heads, a.head_dim, capacity, self.target.dtype, self.target.device)
 
     def _prefill(self, target: Level, ids: list[int], cfg: GenerationConfig, t0: float) -> Iterator[Event]:
         """Fill the full cache with ids[:-1] in chunks, recording the last row's queries (retrieval's first
@@ -172,6 +189,7 @@ class Engine:
             return
         self._prefilled = None
         full.truncate(0)
-        for done in target.prefill(body, cfg.prefill_chunk or default_prefill_chunk(self.target), record=1):
+        chunk = cfg.prefill_chunk or default_prefill_chunk(self.target, self.budget)
+        for done in target.prefill(body, chunk, record=1):
             yield PrefillProgress(done, len(body), time.perf_counter() - t0, full.nbytes)
         self._prefilled = (list(ids), full, target.queries)

@@ -41,6 +41,8 @@ class PromptReady(Event):
     max_new_tokens: int
     chunk_size: int
     chunk_texts: list[str]  # decoded text of each prompt chunk (for hover / highlighting)
+    offloaded: bool = False  # the full KV cache lives in CPU memory, streamed to the GPU layer by layer
+    caches: dict = field(default_factory=dict)  # name -> {"where": "GPU" | "CPU", "bytes": int}
 
 
 @dataclass
@@ -153,6 +155,8 @@ class Stats(Acceptance):
     device: str = ""
     dtype: str = ""
     settings: dict = field(default_factory=dict)
+    offloaded: bool = False
+    host_link_bytes: int = 0  # bytes copied between CPU and GPU memory while decoding (offloaded full cache)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "level1_acceptance": self.level1_acceptance,

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import weakref
+from typing import Callable, Iterator
 
 import torch
 
 from core.model import Rotary
 from core.ops import DECODE_TOKENS, rotate
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked when `pin` (registered at its exact size: the caching pinned
+    allocator would round a large block up to a power of two)."""
+    t = torch.empty(shape, dtype=dtype)
+    if pin and t.numel():
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise MemoryError(f"could not page-lock {t.numel() * t.element_size() / 2**30:.1f} GiB of host memory "
+                              f"(CUDA error {int(err)})")
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 class KVCache:
@@ -19,21 +34,29 @@ class KVCache:
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str, head: int = 0, start: int = 0):
-        shape = (n_layers, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.device = torch.device(device)  # where the model computes with it (a subclass may store elsewhere)
+        self.k, self.v = self._buffers((n_layers, n_kv_heads, capacity, head_dim), dtype)
         self.head, self.start, self.used = head, start, head
         self._n = 0
         # On CUDA, [first position, first slot] of the new tokens also live in device memory, so that decode kernels
         # read lengths from there and a CUDA graph of a step stays valid as the cache grows.
-        self.on_cuda = torch.device(device).type == "cuda"
+        self.on_cuda = self.device.type == "cuda"
         if self.on_cuda:
             self.meta = torch.zeros(2, dtype=torch.int64, device=device)
             self.steps = torch.arange(DECODE_TOKENS, device=device)
 
+    def _buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value storage [layers, kv_heads, capacity, head_dim]."""
+        return torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
+
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes this cache holds in the compute device's memory."""
+        return self.nbytes
 
     @property
     def seq_len(self) -> int:
@@ -68,7 +91,7 @@ class KVCache:
         """Sequence positions of the new tokens (a device tensor; read from device memory on CUDA decode steps)."""
         if self.on_cuda and self._n <= DECODE_TOKENS:
             return self.meta[0] + self.steps[:self._n]
-        return torch.arange(self._first_position(), self._first_position() + self._n, device=self.k.device)
+        return torch.arange(self._first_position(), self._first_position() + self._n, device=self.device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's key and value buffers [Hkv, capacity, D]."""
@@ -76,6 +99,16 @@ class KVCache:
 
     def attended(self, i: int) -> None:
         """Layer i of the current step has stored its new keys/values and attended (a hook for subclasses)."""
+
+    def stream_layers(self, length: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(layer, keys, values) of positions' slots [0, length) [Hkv, length, D] on the compute device, one layer
+        at a time (a layer's tensors are valid until the next is asked for)."""
+        for i in range(self.k.shape[0]):
+            yield i, self.k[i, :, :length], self.v[i, :, :length]
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [a, b), [layers, Hkv, b - a, D]."""
+        return self.k[:, :, self.slot(a):self.slot(b)], self.v[:, :, self.slot(a):self.slot(b)]
 
     def end(self) -> None:
         self.used += self._n
@@ -86,8 +119,9 @@ class KVCache:
 
     def copy_positions(self, src: "KVCache", a: int, b: int) -> None:
         """Overwrite positions [a, b) with src's keys/values for them."""
-        self.k[:, :, self.slot(a):self.slot(b)] = src.k[:, :, src.slot(a):src.slot(b)]
-        self.v[:, :, self.slot(a):self.slot(b)] = src.v[:, :, src.slot(a):src.slot(b)]
+        k, v = src.read(a, b)
+        self.k[:, :, self.slot(a):self.slot(b)] = k
+        self.v[:, :, self.slot(a):self.slot(b)] = v
 
 
 class StreamingCache(KVCache):
@@ -138,7 +172,7 @@ class StreamingCache(KVCache):
         if e <= 0:
             return
         s, u = self.sink, self.used
-        angle = -e * self.rotary.inv_freq.to(self.k.device)
+        angle = -e * self.rotary.inv_freq.to(self.device)
         emb = torch.cat((angle, angle))
         cos, sin = emb.cos().to(self.k.dtype), emb.sin().to(self.k.dtype)
         self.k[:, :, s:u - e] = rotate(self.k[:, :, s + e:u].clone(), cos, sin)

@@ -34,15 +34,16 @@ class Draft:
 
 class TriForce:
     """One generation: rounds of level-3 verification until `out` says stop. The target level's full cache must
-    hold prompt[:-1]; `queries` are the ones its prefill recorded for the last prompt row (the first selection)."""
+    hold prompt[:-1]; `queries` are the ones its prefill recorded for the last prompt row (the first selection);
+    `index_device`: where the chunk index is kept (default: the model's device)."""
 
     def __init__(self, target: Level, prompt: list[int], queries: list[torch.Tensor], drafter: Drafter,
                  cfg: GenerationConfig, generator: torch.Generator, out: Output, pool: CachePool | None = None,
-                 graphs: Graphs | None = None):
+                 graphs: Graphs | None = None, index_device: torch.device | None = None):
         self.target, self.prompt, self.queries, self.drafter = target, prompt, queries, drafter
         self.cfg, self.generator, self.out = cfg, generator, out
         model = target.model
-        self.retrieval = Retrieval(target.cache, cfg, model.ops, pool)
+        self.retrieval = Retrieval(target.cache, cfg, model.ops, pool, index_device)
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs)
         self.counts = Acceptance()
 
