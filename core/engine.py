@@ -81,23 +81,34 @@ class Engine:
             if progress:
                 progress(Loading("draft", 0.5))
             draft_model, draft_name = load_draft(draft, model, tok, src.name, dev, dt)
+        engine = cls.from_models(model, tok, src.name, draft_model, draft_name, context_length, cuda_graphs,
+                                 gpu_memory_gib)
+        if progress:
+            progress(Loading("ready", 1.0))
+        _LOADED[key] = engine
+        return engine
+
+    @classmethod
+    def from_models(cls, model: Transformer, tokenizer, name: str, draft: Transformer | None = None,
+                    draft_name: str | None = None, context_length: int | None = None, cuda_graphs: bool = True,
+                    gpu_memory_gib: float | None = None) -> "Engine":
+        """An engine over models already built (e.g. random weights at a real shape, for benchmarks); the arguments
+        mean what Engine.load's do."""
         ctx = context_length or model.args.max_position
         if model.args.attention_window:  # within the window full attention is exact; beyond it would not be
             ctx = min(ctx, model.args.attention_window)
-        engine = cls(model, tok, src.name, draft_model, draft_name, ctx,
+        dev = model.device
+        engine = cls(model, tokenizer, name, draft, draft_name, ctx,
                      graphs=Graphs() if cuda_graphs and dev.type == "cuda" else None,
                      budget=device_budget(dev, gpu_memory_gib))
         engine.info = {
-            "target": src.name, "draft": draft_name, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
+            "target": name, "draft": draft_name, "device": str(dev), "dtype": str(model.dtype).removeprefix("torch."),
             "context_length": ctx, "attention_window": model.args.attention_window,
             "gpu_memory_budget_gib": engine.budget / GiB if engine.budget else None,
             "target_params": sum(p.numel() for p in model.parameters()),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__},
         }
-        if progress:
-            progress(Loading("ready", 1.0))
-        _LOADED[key] = engine
         return engine
 
     def count_tokens(self, text: str) -> int:

@@ -1,6 +1,7 @@
-"""KV offloading: the full cache in host memory, streamed layer by layer (here with a CPU "device": the same code
-path as on a GPU, copies synchronous) gives the same logits, the same greedy tokens and the same sampled
-distribution; the placement plan offloads only when the device budget is exceeded and refuses clearly."""
+"""KV offloading: the full cache in host memory, streamed layer by layer (on a CPU "device" the same code path as on a
+GPU with copies synchronous; TRIFORCE_TEST_DEVICE=cuda runs it with page-locked memory and a copy stream) gives the
+same logits, the same greedy tokens and the same sampled distribution; the placement plan offloads only when the
+device budget is exceeded and refuses clearly."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from core.placement import GiB, plan
 from core.prompting import Prompt
 from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
 from tests.stats import chi_square_p
-from tests.test_lossless import DigitTokenizer, emitted_pairs, target_pairs, tiny_engine
+from tests.test_lossless import DEVICE, DigitTokenizer, emitted_pairs, target_pairs, tiny_engine
 from tests.tiny import tiny_config, tiny_pair
 
 PROMPT = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -24,10 +25,11 @@ PROMPT = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(5)
 def test_streamed_cache_computes_what_the_resident_one_does():
     """Prefill, a decode step, a verification after a rollback, the chunk index and the gather: bit-identical."""
     _, model = tiny_pair(tiny_config(layers=3))
+    model = model.to(DEVICE)
     a = model.args
     results = []
     for cls in (KVCache, OffloadedKVCache):
-        full = cls(a.n_layers, a.n_kv_heads, a.head_dim, 200, torch.float32, "cpu")
+        full = cls(a.n_layers, a.n_kv_heads, a.head_dim, 200, torch.float32, DEVICE)
         level = Level(model, full, [])
         with torch.no_grad():
             list(level.prefill(PROMPT[:-1], 32, record=1))
@@ -47,6 +49,7 @@ def test_streamed_cache_computes_what_the_resident_one_does():
 def engine() -> Engine:
     _, target = tiny_pair(tiny_config(vocab=96, layers=2), seed=0)
     _, draft = tiny_pair(tiny_config(vocab=96, layers=1), seed=1)
+    target, draft = target.to(DEVICE), draft.to(DEVICE)
     target.eos_ids = set()
     return Engine(target, DigitTokenizer(), "tiny", draft, "tiny-draft", 256)
 
