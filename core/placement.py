@@ -3,6 +3,7 @@ layer) when it does not fit the device's memory budget. Decided before anything 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,10 @@ def parameter_bytes(*models: Transformer | None) -> int:
 
 
 def host_available() -> int:
-    """Bytes of host memory available (MemAvailable), or a large number where /proc/meminfo is missing."""
+    """Bytes of host memory available: TRIFORCE_HOST_MEMORY_GIB when set (for machines whose memory grows on demand
+    and reports too little up front), else MemAvailable, or a large number where /proc/meminfo is missing."""
+    if os.environ.get("TRIFORCE_HOST_MEMORY_GIB"):
+        return int(float(os.environ["TRIFORCE_HOST_MEMORY_GIB"]) * GiB)
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
