@@ -12,6 +12,7 @@ Writes bench/results/offload-<gpu>-<date>.json with summary.offload.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import gc
 import json
 import time
@@ -19,11 +20,14 @@ import time
 import torch
 from transformers import AutoTokenizer, LlamaConfig
 
-from bench.common import DOCS, environment, save
+from bench.common import DOCS, RESULTS, environment, save
 from core import Engine, GenerationConfig
 from core.events import Finished, StepTiming
 from core.kvcache import pinned_empty
 from core.model import Transformer
+from core.offload import OffloadedKVCache
+from core.ops import TORCH
+from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
 
 INSTRUCTION = "Summarise what has happened so far, naming the main characters."
 PCIE4_GB_S = 25.0
@@ -108,6 +112,44 @@ def projected_ms(row: dict, bw: float, to: float = PCIE4_GB_S) -> float:
     return row["ms_per_token"] + row["host_link_gb_per_token"] * (1 / to - 1 / bw) * 1e3
 
 
+def selection_cost(name: str, context: int, budget: int = 8192, chunk: int = 8) -> dict:
+    """What choosing level 2's chunks costs with the full cache offloaded (the first selection, and each re-selection):
+    building the chunk index (one streamed pass), scoring with the index in CPU or GPU memory, and gathering the
+    chosen chunks (one streamed pass). Uninitialised host memory: copy times do not depend on values."""
+    target_shape = SHAPES[name][0]
+    a = LlamaConfig(vocab_size=32000, **target_shape)
+    layers, heads, dim = a.num_hidden_layers, a.num_key_value_heads, a.hidden_size // a.num_attention_heads
+    full = OffloadedKVCache(layers, heads, dim, context + 64, torch.bfloat16, torch.device("cuda"))
+    full.used = context
+    out = {"shape": name, "context": context, "budget": budget}
+    queries = torch.randn(layers, heads, dim, device="cuda")
+    for where in ("cuda", "cpu"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        index = ChunkIndex.build(full, context, chunk, torch.device(where))
+        torch.cuda.synchronize()
+        out[f"index_build_s_index_on_{where}"] = time.perf_counter() - t0
+        n_select = chunks_to_keep(index, budget)
+        select_chunks(index, queries, n_select)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ids = select_chunks(index, queries, n_select)
+        torch.cuda.synchronize()
+        out[f"score_topk_ms_index_on_{where}"] = (time.perf_counter() - t0) * 1e3
+    into = retrieval_cache(full, index, budget, 300)
+    moved = full.moved
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    gather_selection(full, index, ids, into, TORCH)
+    torch.cuda.synchronize()
+    out["gather_s"] = time.perf_counter() - t0
+    out["gather_gb_moved"] = (full.moved - moved) / 1e9
+    print(json.dumps(out), flush=True)
+    del full, index, into
+    gc.collect()
+    return out
+
+
 def shape_run(name: str, tok, args, bw: float) -> dict:
     """AR then TriForce (sampled, greedy) on one shape, all offloaded within the budget."""
     target_shape, draft_shape, vocab = SHAPES[name]
@@ -153,11 +195,13 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["7b", "8b"], choices=sorted(SHAPES))
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--ar-tokens", type=int, default=16, help="AR tokens (each streams the whole cache)")
+    p.add_argument("--parts", nargs="+", default=["runs", "selection"], choices=["runs", "selection"])
     args = p.parse_args()
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     bw = h2d_gb_s()
     print(f"pinned host->GPU {bw:.1f} GB/s", flush=True)
-    shapes = {name: shape_run(name, tok, args, bw) for name in args.shapes}
+    selection = [selection_cost(name, args.context) for name in args.shapes] if "selection" in args.parts else []
+    shapes = {name: shape_run(name, tok, args, bw) for name in args.shapes} if "runs" in args.parts else {}
     summary = {"h2d_gb_s": bw}
     for name, r in shapes.items():
         ar, sampled, greedy = r["runs"]
@@ -171,11 +215,20 @@ def main() -> None:
                         f"greedy_identical_{name}": r["greedy_identical"],
                         f"speedup_{key}_pcie4_projected": ar["projected_ms_per_token_pcie4"] /
                         sampled["projected_ms_per_token_pcie4"]})
-    summary["greedy_identical"] = all(r["greedy_identical"] for r in shapes.values())
-    payload = {**environment(), "gpu": torch.cuda.get_device_name(), "summary": {"offload": summary},
-               "shapes": shapes}
+    if shapes:
+        summary["greedy_identical"] = all(r["greedy_identical"] for r in shapes.values())
+    for r in selection:
+        summary[f"reselect_s_{r['shape']}"] = r["gather_s"] + r["score_topk_ms_index_on_cpu"] / 1e3
+    name = "offload-" + torch.cuda.get_device_name().replace(" ", "-")
+    path = RESULTS / f"{name}-{dt.date.today().isoformat()}.json"
+    old = json.loads(path.read_text()) if path.exists() else {}  # an earlier run today: parts are merged
+    env = environment()
+    payload = {**old, **env, "gpu": torch.cuda.get_device_name(),
+               "commands": old.get("commands", [old["command"]] if old else []) + [env["command"]],
+               "summary": {"offload": {**old.get("summary", {}).get("offload", {}), **summary}},
+               "shapes": {**old.get("shapes", {}), **shapes}, "selection": selection or old.get("selection", [])}
     print(json.dumps(summary, indent=1))
-    print(f"saved {save('offload-' + torch.cuda.get_device_name().replace(' ', '-'), payload)}")
+    print(f"saved {save(name, payload)}")
 
 
 if __name__ == "__main__":
