@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 
@@ -27,9 +28,12 @@ class ModelLoadError(RuntimeError):
 
 
 def load_engine(target: str | None, draft: str | None) -> Engine:
-    """The engine for a target/draft pair (Engine.load caches per process); failures raise ModelLoadError."""
+    """The engine for a target/draft pair (Engine.load caches per process), held to TRIFORCE_GPU_MEMORY_GIB of GPU
+    memory when set (a larger GPU then offloads like a card of that size); failures raise ModelLoadError."""
+    budget = float(os.environ["TRIFORCE_GPU_MEMORY_GIB"]) if os.environ.get("TRIFORCE_GPU_MEMORY_GIB") else None
     try:
-        engine = Engine.load() if target is None else Engine.load(target=target, draft=draft)
+        engine = Engine.load(gpu_memory_gib=budget) if target is None else \
+            Engine.load(target=target, draft=draft, gpu_memory_gib=budget)
     except Exception as err:  # any loader failure (missing weights, no network, out of memory) must not kill the app
         name = target or "the embedded model"
         raise ModelLoadError(f"Could not load {name}{f' + {draft}' if draft else ''}: {err}. "
