@@ -73,10 +73,11 @@ def plan(model: Transformer, draft: Transformer | None, capacity: int, prompt_to
             host["full KV cache"] = capacity * kv_token
         else:
             device["full KV cache"] = capacity * kv_token
-        if c.method == "triforce":
-            extra = c.max_new_tokens + c.gamma1 + c.gamma2 + 2
-            device["retrieval cache"] = (min(c.budget, prompt_tokens) + c.chunk_size + extra) * kv_token
-            device["chunk index"] = prompt_tokens // c.chunk_size * kv_token // 2
+        # TriForce's retrieval cache and chunk index are counted for AR too, so that both methods get the same
+        # placement for the same input: a comparison of the two is like for like
+        extra = c.max_new_tokens + c.gamma1 + c.gamma2 + 2
+        device["retrieval cache"] = (min(c.budget, prompt_tokens) + c.chunk_size + extra) * kv_token
+        device["chunk index"] = prompt_tokens // c.chunk_size * kv_token // 2
         return device, host, c
 
     if budget is None:  # a CPU run: "on" exercises the streaming code, "auto" never offloads
