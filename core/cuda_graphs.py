@@ -4,6 +4,7 @@ so one graph stays valid while the cache grows and rolls back."""
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class Graphs:
 
     def __init__(self):
         self.by_cache: weakref.WeakKeyDictionary[KVCache, dict] = weakref.WeakKeyDictionary()
+        self.capture_s = 0.0  # wall time spent capturing (and compiling kernels for) new graphs so far
 
     @staticmethod
     def applies(model: Transformer, cache: KVCache, n: int) -> bool:
@@ -45,7 +47,10 @@ class Graphs:
         key = (len(ids), n_rows, record)
         g = graphs.get(key)
         if g is None:
+            t0 = time.perf_counter()
             g = graphs[key] = _capture(model, cache, torch.tensor(ids, device=cache.device), n_rows, record)
+            torch.cuda.synchronize(cache.device)
+            self.capture_s += time.perf_counter() - t0
         else:
             g.ids.copy_(torch.tensor(ids), non_blocking=True)
         g.graph.replay()

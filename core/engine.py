@@ -158,14 +158,16 @@ class Engine:
         t1 = time.perf_counter()
         forwards_before = target.forwards
         moved_before = getattr(target.cache, "moved", 0)
+        captured_before = self.graphs.capture_s if self.graphs else 0.0
         yield from loop
-        decode_s = time.perf_counter() - t1
+        warmup_s = (self.graphs.capture_s if self.graphs else 0.0) - captured_before
+        decode_s = time.perf_counter() - t1 - warmup_s  # capturing graphs (first use of a shape) is not decoding
         n = len(out.ids)
         forwards = target.forwards - forwards_before
         counts = run.counts if run else Acceptance()
         stats = Stats(
             method=cfg.method, new_tokens=n, prompt_tokens=len(ids), dropped_tokens=prompt.dropped_tokens,
-            prefill_s=prefill_s, prefill_reused=progress.reused, decode_s=decode_s,
+            prefill_s=prefill_s, prefill_reused=progress.reused, decode_s=decode_s, warmup_s=warmup_s,
             tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
             time_to_first_token_s=(out.first_token_at or t1) - t0, target_forwards=forwards,
             tokens_per_target_forward=n / forwards if forwards else 0.0,

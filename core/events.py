@@ -143,7 +143,7 @@ class Stats(Acceptance):
     dropped_tokens: int
     prefill_s: float
     prefill_reused: bool
-    decode_s: float
+    decode_s: float  # decoding wall time, less warmup_s
     tokens_per_s: float
     time_to_first_token_s: float
     target_forwards: int
@@ -155,6 +155,7 @@ class Stats(Acceptance):
     device: str = ""
     dtype: str = ""
     settings: dict = field(default_factory=dict)
+    warmup_s: float = 0.0  # capturing CUDA graphs and compiling kernels for shapes first seen in this run
     offloaded: bool = False
     host_link_bytes: int = 0  # bytes copied between CPU and GPU memory while decoding (offloaded full cache)
 
