@@ -59,13 +59,17 @@ class Graphs:
 
 
 def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int, record: int) -> Graph:
-    """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture one step."""
+    """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture one step; the cache's host
+    bookkeeping is put back after each (the caller's replay is the step that counts)."""
+    before = cache.seq_len
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         model.step(ids, cache, n_rows, record)
+    cache.truncate(before)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         hidden, queries = model.step(ids, cache, n_rows, record)
+    cache.truncate(before)
     return Graph(graph, ids, hidden, queries)
