@@ -18,33 +18,20 @@ import json
 import time
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
-from bench.common import DOCS, RESULTS, environment, save
+from bench.common import DOCS, LLAMA2_7B, LLAMA31_8B, LLAMA32_1B, LLAMA_68M, RESULTS, environment, random_model, save
 from core import Engine, GenerationConfig
 from core.events import Finished, StepTiming
 from core.kvcache import pinned_empty
-from core.model import Transformer
 from core.offload import OffloadedKVCache
 from core.ops import TORCH
 from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
 
 INSTRUCTION = "Summarise what has happened so far, naming the main characters."
 PCIE4_GB_S = 25.0
-SHAPES = {  # target, level-1 draft (the paper's llama-68m for Llama 2; Llama 3.2 1B for Llama 3.1 8B)
-    "7b": (dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                tie_word_embeddings=False),
-           dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
-                num_key_value_heads=12, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                tie_word_embeddings=False), None),
-    "8b": (dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                tie_word_embeddings=False),
-           dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                tie_word_embeddings=True), 128256),
-}
+SHAPES = {"7b": (LLAMA2_7B, LLAMA_68M), "8b": (LLAMA31_8B, LLAMA32_1B)}  # target, level-1 draft (the paper's
+# llama-68m beside Llama 2; Llama 3.2 1B beside Llama 3.1 8B)
 
 
 def h2d_gb_s(gib: int = 2, reps: int = 10) -> float:
@@ -60,20 +47,17 @@ def h2d_gb_s(gib: int = 2, reps: int = 10) -> float:
     return reps * host.numel() / (time.perf_counter() - t0) / 1e9
 
 
-def random_model(shape: dict, vocab: int, context: int) -> Transformer:
-    """Our Transformer with random bf16 weights on the GPU, built in bf16 (no float32 copy), fused for decoding."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=context, **shape)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = Transformer(config).eval().requires_grad_(False)
-    finally:
-        torch.set_default_dtype(default)
-    model.fuse_projections()
-    model.eos_ids = set()  # a benchmark generates to max_new_tokens
-    return model
+def random_engine(name: str, tok, context: int, gpu_memory_gib: float) -> Engine:
+    """An engine over random bf16 models of a shape pair, held to the GPU memory budget; a vocabulary smaller than
+    the tokenizer's grows to it (the 7B shape: 32000 -> the tokenizer's size), and generation runs to max_new_tokens."""
+    models = []
+    for shape in SHAPES[name]:
+        shape = {**shape, "vocab_size": max(shape["vocab_size"], len(tok)), "max_position_embeddings": context}
+        models.append(random_model(shape))
+        models[-1].eos_ids = set()
+    torch.cuda.empty_cache()
+    return Engine.from_models(models[0], tok, f"random {name} shape", models[1], f"random {name} draft shape",
+                              context, gpu_memory_gib=gpu_memory_gib)
 
 
 def document(tok, tokens: int) -> str:
@@ -116,9 +100,9 @@ def selection_cost(name: str, context: int, budget: int = 8192, chunk: int = 8) 
     """What choosing level 2's chunks costs with the full cache offloaded (the first selection, and each re-selection):
     building the chunk index (one streamed pass), scoring with the index in CPU or GPU memory, and gathering the
     chosen chunks (one streamed pass). Uninitialised host memory: copy times do not depend on values."""
-    target_shape = SHAPES[name][0]
-    a = LlamaConfig(vocab_size=32000, **target_shape)
-    layers, heads, dim = a.num_hidden_layers, a.num_key_value_heads, a.hidden_size // a.num_attention_heads
+    shape = SHAPES[name][0]
+    layers, heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
+    dim = shape["hidden_size"] // shape["num_attention_heads"]
     full = OffloadedKVCache(layers, heads, dim, context + 64, torch.bfloat16, torch.device("cuda"))
     full.used = context
     out = {"shape": name, "context": context, "budget": budget}
@@ -152,13 +136,7 @@ def selection_cost(name: str, context: int, budget: int = 8192, chunk: int = 8) 
 
 def shape_run(name: str, tok, args, bw: float) -> dict:
     """AR then TriForce (sampled, greedy) on one shape, all offloaded within the budget."""
-    target_shape, draft_shape, vocab = SHAPES[name]
-    vocab = vocab or len(tok)
-    context = args.context + args.new_tokens + 1024
-    target, draft = random_model(target_shape, vocab, context), random_model(draft_shape, vocab, context)
-    torch.cuda.empty_cache()
-    engine = Engine.from_models(target, tok, f"random {name} shape", draft, f"random {name} draft shape", context,
-                                gpu_memory_gib=args.gpu_memory_gib)
+    engine = random_engine(name, tok, args.context + args.new_tokens + 1024, args.gpu_memory_gib)
     torch.cuda.reset_peak_memory_stats()
     short = document(tok, 3000)  # compiles kernels and captures graphs outside the timed runs
     warm = dict(max_new_tokens=args.new_tokens, offload="on")
@@ -171,17 +149,17 @@ def shape_run(name: str, tok, args, bw: float) -> dict:
     first_run_s = time.perf_counter() - t0
     greedy = run(engine, doc, GenerationConfig(greedy=True, max_new_tokens=args.new_tokens))
     ar = run(engine, doc, GenerationConfig(method="ar", greedy=True, max_new_tokens=args.ar_tokens))
-    a = target.args
+    a = engine.target.args
     kv_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 2 * ar["prompt_tokens"]
     result = {
-        "shape": name, "target": {**target_shape, "vocab_size": vocab}, "draft": {**draft_shape, "vocab_size": vocab},
+        "shape": name, "target": engine.target.config.to_diff_dict(), "draft": engine.draft.config.to_diff_dict(),
         "gpu_memory_budget_gib": args.gpu_memory_gib, "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "full_kv_gb": kv_bytes / 1e9, "ar_roofline_ms": kv_bytes / bw / 1e6, "first_run_s": first_run_s,
         "greedy_identical": greedy["token_ids"][:len(ar["token_ids"])] == ar["token_ids"],
         "runs": [ar, sampled, greedy]}
     for r in result["runs"]:
         r["projected_ms_per_token_pcie4"] = projected_ms(r, bw)
-    del engine, target, draft
+    del engine
     gc.collect()
     torch.cuda.empty_cache()
     return result
