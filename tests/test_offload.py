@@ -51,7 +51,7 @@ def engine() -> Engine:
     _, draft = tiny_pair(tiny_config(vocab=96, layers=1), seed=1)
     target, draft = target.to(DEVICE), draft.to(DEVICE)
     target.eos_ids = set()
-    return Engine(target, DigitTokenizer(), "tiny", draft, "tiny-draft", 256)
+    return Engine.from_models(target, DigitTokenizer(), "tiny", draft, "tiny-draft", 256)
 
 
 def finish(engine: Engine, **settings) -> Finished:
