@@ -12,6 +12,7 @@ import torch
 from core import distill, distill_data
 from core.distill_data import unpack_debs  # the real one: the data fixture replaces the module's
 from core.loading import load_draft
+from core.samples import held_out_documents
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,8 @@ def test_prepare_answers_train_resume(data, embedded, tmp_path):
     sources = json.loads((data / "sources.json").read_text())
     assert sources["prompts"] == 6 and sources["validation_prompts"] == 2
     assert all(f["group"] != "holdout" for f in sources["files"]) and sources["head_vocab"]["size"] == 600
+    held_out = sources["holdout_documents_not_trained_on"]
+    assert held_out == held_out_documents() and not any(f["path"].endswith(tuple(held_out)) for f in sources["files"])
     distill.main(["answers", "--data", str(data), "--out", str(data / "a.npz"), "--answer-tokens", "5",
                   "--gen-batch", "4", "--device", "cpu"])
     answers = np.load(data / "a.npz")
