@@ -179,7 +179,7 @@ def default_draft(target: str | None) -> str | None:
 
 
 def dequantised(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A stored draft's weights with int8 rows times their per-row scale (core.distill --int8) made whole again."""
+    """A stored draft's weights with int8 rows times their per-row scale (distill train --int8) made whole again."""
     state = dict(state)
     for k in [k for k in state if k.endswith(".scale")]:
         scale = state.pop(k)
@@ -189,7 +189,7 @@ def dequantised(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_draft(source: str, target: Transformer, target_tok, target_name: str, device: torch.device,
                dtype: torch.dtype) -> tuple[Transformer, str]:
-    """A level-1 draft for `target` and its name: a directory written by core.distill (its own layers and final
+    """A level-1 draft for `target` and its name: a directory written by distill train (its own layers and final
     norm; the target's embedding and LM head are shared, not copied) or any model load_model takes. A draft made
     for another tokenizer is refused."""
     config_file = Path(source).expanduser() / "config.json"
@@ -203,7 +203,7 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
                                      f"{target_name}'s; pick a draft of the same family")
     with torch.device("meta"):
         draft = Transformer(AutoConfig.from_pretrained(config_file.parent))
-        if fusion := meta.get("fusion"):  # late fusion of the target's hidden states (core.distill --fusion)
+        if fusion := meta.get("fusion"):  # late fusion of the target's hidden states (distill train --fusion)
             draft.fusion = Fusion(draft.args.dim, fusion["hidden"], fusion["ages"])
     draft.embed_tokens, draft.lm_head = target.embed_tokens, target.lm_head
     shared = meta.get("shared_layers", 0)  # the target's first layers, used as they are (not stored)

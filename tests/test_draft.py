@@ -77,7 +77,7 @@ def test_int8_draft_is_dequantised_and_shares_the_target_layers(embedded):
     stored = load_file(DRAFT_DIR / "model.safetensors")
     assert not any(k.startswith(f"layers.{i}.") for k in stored for i in range(shared))
     params = dict(draft.named_parameters())
-    for k in [k for k in stored if k.endswith(".scale")]:  # int8 rows x a bf16 scale per row (core.distill --int8)
+    for k in [k for k in stored if k.endswith(".scale")]:  # int8 rows x a bf16 scale per row (distill train --int8)
         w = k.removesuffix(".scale")
         assert stored[w].dtype == torch.int8
         expected = (stored[w].float() * stored[k].float()).to(params[w].dtype)  # exact, in float32

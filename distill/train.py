@@ -1,29 +1,8 @@
-"""Distil a tiny level-1 draft for a target (default: the embedded SmolLM2-135M-Instruct).
-
-The draft is a Llama-architecture model of the target's width: the target's first layers, shared as they are, then
-a few layers of its own; it SHARES the target's token embedding and tied LM head (the shipped file holds only its
-own layers and final norm; the loader takes the rest from the target), and its head scores a reduced vocabulary (the
-most frequent token ids of the training prompts). It is trained on the target's own next-token distributions,
-KL(target || draft) over the head's ids at one or more temperatures, over windows shaped like level 1's StreamingLLM
-cache: the prompt's first `sink` tokens followed by the `window` tokens before a position, while the target sees the
-whole sequence (prompt + answer).
-
-Stages, all seeded:
-
-  python -m core.distill prepare --out .carry/data     # CPU: offline text -> prompts, head ids, sources.json
-  python -m core.distill answers --data .carry/data --target model.gguf --out a.npz     # GPU: the target's answers
-  python -m core.distill train --data .carry/data --target model.gguf [--answers a.npz] [--resume DIR] --out DIR
-
-`prepare` (core/distill_data.py) gathers freely licensed text available offline, cuts it into documents of random
-length and wraps each with an instruction in the target's chat template. `answers` (or `train` without --answers)
-samples the target's answers to those prompts (greedy, T=0.6/top-p 0.9, T=1); `train` distils, from the target's
-layers or from an earlier draft (--resume).
-"""
+"""Distillation: windows shaped like level 1's StreamingLLM cache, the target's soft labels, the KL loss, and the
+training run that writes a draft directory."""
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import math
 import random
@@ -35,9 +14,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.distill_data import DEBS, HEAD_FILE, load_prompts, prepare
-
-SETTINGS = [(0.0, 1.0), (0.6, 0.9), (1.0, 1.0)]  # (temperature, top-p) of the target's answers, cycling per batch
+from distill.answers import SETTINGS, generate_answers, read_answers, save_answers
+from distill.data import HEAD_FILE, load_prompts
+from distill.draft import add_fusion, ages, make_draft, own_parameters, resumed
+from distill.target import as_transformer, load_hf
 
 
 def _norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -71,69 +51,6 @@ def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
         x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
                          mlp.down_proj.weight)
     return _norm(x, model.norm)
-
-
-def make_draft(target, layers: list[int], shared: int = 0):
-    """A Transformer whose first `shared` layers ARE the target's (frozen, not stored), followed by own layers
-    copied from the target's `layers`, the target's final norm and the target's embedding and LM head."""
-    import copy
-
-    from core.model import Transformer
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = shared + len(layers)
-    draft = Transformer(config)
-    for i, j in enumerate(layers):
-        draft.layers[shared + i].load_state_dict(target.layers[j].state_dict())
-    draft.norm.load_state_dict(target.norm.state_dict())
-    draft = draft.float().to(target.device)
-    for i in range(shared):
-        draft.layers[i] = target.layers[i]
-    draft.embed_tokens = target.embed_tokens  # shared and frozen
-    draft.lm_head = target.lm_head
-    return draft
-
-
-def own_parameters(draft, shared: int) -> dict[str, torch.nn.Parameter]:
-    """The draft's own weights (trained and stored): all but the embedding, LM head and the shared layers."""
-    skip = ("embed_tokens", "lm_head", *(f"layers.{i}." for i in range(shared)))
-    return {k: v for k, v in draft.named_parameters() if not k.startswith(skip)}
-
-
-
-def generate_answers(hf, prompts, split, settings, batch, max_new, eos_ids, device, time_cap, log, offset=0):
-    """The target's answers to prompts (ids lists), batch by batch, settings cycling per batch from settings[offset]:
-    validation prompts first, then training prompts in a random order (sorted by length within groups of 8 batches,
-    less padding)."""
-    rng = random.Random(0)
-    train = [i for i in range(len(prompts)) if split[i] == 0]
-    rng.shuffle(train)
-    groups = [[i for i in range(len(prompts)) if split[i] == 1]] + \
-             [train[a:a + 8 * batch] for a in range(0, len(train), 8 * batch)]
-    order = [i for g in groups for i in sorted(g, key=lambda i: len(prompts[i]))]
-    answers, t0 = [None] * len(prompts), time.time()
-    eos = sorted(eos_ids)
-    for n, a in enumerate(range(0, len(order), batch)):
-        idx = order[a:a + batch]
-        length = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), length), eos[0], dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(idx):
-            ids[r, length - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, length - len(prompts[i]):] = 1
-        temp, top_p = settings[(n + offset) % len(settings)]
-        kw = dict(do_sample=True, temperature=temp, top_p=top_p) if temp > 0 else dict(do_sample=False)
-        with torch.no_grad():
-            out = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
-                              eos_token_id=eos, pad_token_id=eos[0], top_k=0, **kw)[:, length:].tolist()
-        for r, i in enumerate(idx):
-            row = out[r]
-            cut = next((k + 1 for k, x in enumerate(row) if x in eos_ids), len(row))
-            answers[i] = (row[:cut], temp)
-        log(f"  generated batch {n}: {len(idx)} x <= {length} prompt tokens, T={temp}, {time.time() - t0:.0f}s")
-        if time.time() - t0 > time_cap:
-            log("  generation time cap reached")
-            break
-    return answers
 
 
 def sample_windows(seqs, rng, per_seq, sink, window, answer_share):
@@ -218,96 +135,6 @@ def distil_loss(draft, head_ids, batch, labels, temps, sink):
                     q = (dl / t).softmax(-1)
                     stats[f"overlap_T{t}{name}"] = (torch.minimum(p, q).sum(-1) * m).sum() / m.sum()
     return loss / (len(temps) * len(variants)), {k: v.item() for k, v in stats.items()}
-
-
-def load_hf(source, dev):
-    """The target as transformers' model (for generate), its source, tokenizer and eos ids."""
-    from core.loading import _eos_ids, _from_pretrained, resolve
-    src = resolve(source)
-    tok, hf = _from_pretrained(src, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    hf = hf.to(dev).eval()
-    return src, tok, hf, _eos_ids(hf, tok)
-
-
-def as_transformer(hf):
-    """The same weights as a frozen core.model.Transformer (for hidden_states and the shared draft layers)."""
-    from core.model import Transformer
-    with torch.device("meta"):
-        target = Transformer(hf.config)
-    target.load_hf_state_dict(hf.state_dict())
-    return target.to(hf.device, hf.dtype).eval().requires_grad_(False)
-
-
-def save_answers(path: Path, prompts, answers) -> None:
-    """Answers as flat ids + offsets, with the index and a digest of the prompt each answers."""
-    done = [i for i, a in enumerate(answers) if a is not None]
-    flat = [x for i in done for x in answers[i][0]]
-    np.savez_compressed(path, index=np.array(done, dtype=np.int64), ids=np.array(flat, dtype=np.int32),
-                        offsets=np.cumsum([0] + [len(answers[i][0]) for i in done]).astype(np.int64),
-                        temperature=np.array([answers[i][1] for i in done], dtype=np.float32),
-                        prompt_digest=np.array([hash_ids(prompts[i]) for i in done], dtype=np.int64))
-
-
-def read_answers(paths: list[str], prompts) -> list[list]:
-    """For each prompt, its answers saved by save_answers in these files (one per file that answers it)."""
-    answers = [[] for _ in prompts]
-    for path in paths:
-        npz = dict(np.load(path))  # (each npz[...] would read the file again)
-        off, ids, digest = npz["offsets"], npz["ids"], npz["prompt_digest"]
-        for k, i in enumerate(npz["index"]):
-            if i >= len(prompts) or hash_ids(prompts[i]) != digest[k]:
-                raise ValueError(f"{path} answers other prompts than the data directory's (prompt {i})")
-            answers[i].append((ids[off[k]:off[k + 1]].tolist(), float(npz["temperature"][k])))
-    return answers
-
-
-def hash_ids(ids: list[int]) -> int:
-    return int.from_bytes(hashlib.sha1(np.asarray(ids, dtype=np.int64).tobytes()).digest()[:7], "little")
-
-
-def answers_stage(args) -> None:
-    """Only sample the target's answers (GPU) and save them, for one or more later `train --answers` runs."""
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    t0 = time.time()
-    torch.manual_seed(args.seed)
-    _, _, hf, eos_ids = load_hf(args.target, dev)
-    prompts, split = load_prompts(Path(args.data), args.max_prompts)
-    answers = generate_answers(hf, prompts, split, SETTINGS, args.gen_batch, args.answer_tokens, eos_ids, dev,
-                               args.gen_seconds, print, args.seed)
-    save_answers(Path(args.out), prompts, answers)
-    n = sum(len(a[0]) for a in answers if a)
-    print(f"{sum(a is not None for a in answers)} answers, {n} tokens in {time.time() - t0:.0f}s -> {args.out}")
-
-
-def add_fusion(draft, hidden: int, ages: int):
-    """Give a draft a fusion module that leaves it as it is until trained (zero output projection)."""
-    from core.model import Fusion
-    draft.fusion = Fusion(draft.args.dim, hidden, ages).to(draft.device)
-    torch.nn.init.zeros_(draft.fusion.down.weight)
-    torch.nn.init.normal_(draft.fusion.age.weight, std=0.02)
-    return draft
-
-
-def ages(draft) -> int:
-    """How many ages of the target's hidden state a draft's fusion module knows (0: no fusion module)."""
-    return draft.fusion.age.num_embeddings if draft.fusion is not None else 0
-
-
-def resumed(target, directory: Path):
-    """A draft saved by train (own layers and any fusion module from its file, int8 made whole) to go on training,
-    its shared count."""
-    from safetensors.torch import load_file
-
-    from core.loading import dequantised
-    meta = json.loads((directory / "config.json").read_text())["triforce_draft"]
-    draft = make_draft(target, meta["init_layers"], meta["shared_layers"])
-    if fusion := meta.get("fusion"):
-        add_fusion(draft, fusion["hidden"], fusion["ages"])
-    state = {k: v.float() for k, v in dequantised(load_file(directory / "model.safetensors")).items()}
-    missing, unexpected = draft.load_state_dict(state, strict=False)
-    if unexpected or any(k in missing for k in own_parameters(draft, meta["shared_layers"])):
-        raise ValueError(f"{directory}: weights do not fit a draft of its config")
-    return draft, meta["shared_layers"], meta["init_layers"]
 
 
 def train(args) -> None:
@@ -450,73 +277,3 @@ def train(args) -> None:
               "val_after": after, "history": history, "log": log_lines}
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"saved {out}: {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB, total {time.time() - t_start:.0f}s")
-
-
-def candidate(spec: str) -> tuple[int, list[int]]:
-    """'S+a,b' -> (S shared target layers, own layers initialised from target layers a, b); 'a,b' -> (0, [a, b])."""
-    shared, _, own = spec.rpartition("+")
-    return int(shared or 0), [int(x) for x in own.split(",")]
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m core.distill", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="stage", required=True)
-    a = sub.add_parser("prepare", help="gather offline text and build prompts (CPU)")
-    a.add_argument("--out", default=".carry/data")
-    a.add_argument("--target", default=None, help="target whose tokenizer to use (default: the embedded one)")
-    a.add_argument("--prompts", type=int, default=2048)
-    a.add_argument("--val-prompts", type=int, default=64)
-    a.add_argument("--min-doc", type=int, default=160)
-    a.add_argument("--max-doc", type=int, default=1200)
-    a.add_argument("--cap-per-group", type=int, default=1_500_000, help="characters per source group")
-    a.add_argument("--deb-root", default=".carry/debs",
-                   help="where `apt-get download " + " ".join(DEBS) + "` was unpacked with dpkg -x")
-    a.add_argument("--head-size", type=int, default=8192, help="token ids the draft's LM head scores")
-    a.add_argument("--seed", type=int, default=0)
-    g = sub.add_parser("answers", help="only sample the target's answers to the prompts and save them (GPU)")
-    t = sub.add_parser("train", help="distil the draft on the target's answers (sampled first unless --answers) (GPU)")
-    for x in (g, t):
-        x.add_argument("--data", default=".carry/data")
-        x.add_argument("--target", default=None, help="target model: .gguf, directory or hub id (default: embedded)")
-        x.add_argument("--device", default=None)
-        x.add_argument("--max-prompts", type=int, default=0, help="use only this many prompts (smoke tests)")
-        x.add_argument("--answer-tokens", type=int, default=224)
-        x.add_argument("--gen-batch", type=int, default=256)
-        x.add_argument("--gen-seconds", type=float, default=90)
-    g.add_argument("--out", default="out/answers.npz")
-    g.add_argument("--seed", type=int, default=0,
-                   help="sampling seed; also shifts which prompts get which setting (another run: other answers)")
-    t.add_argument("--out", default="out/draft")
-    t.add_argument("--answers", nargs="+", default=None, help="answers files written by the answers stage")
-    t.add_argument("--resume", default=None, help="go on training this draft directory (written by train)")
-    t.add_argument("--name", default="SmolLM2-135M TriForce draft")
-    t.add_argument("--init", type=candidate, nargs="+", default=[candidate("6+6,7"), candidate("6+28,29")],
-                   help="candidate drafts S+a,b,..: the target's first S layers shared, then own layers initialised "
-                        "from target layers a,b,..; e.g. 6+28,29 4+4,5,28,29 0,29")
-    t.add_argument("--trial-steps", type=int, default=40, help="steps all candidates train before the best continues")
-    t.add_argument("--sink", type=int, default=16)
-    t.add_argument("--window", type=int, default=240)
-    t.add_argument("--temps", type=float, nargs="+", default=[1.0, 0.6])
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--warmup", type=int, default=30)
-    t.add_argument("--seqs", type=int, default=16, help="target sequences per step")
-    t.add_argument("--windows", type=int, default=64, help="draft windows per step")
-    t.add_argument("--answer-share", type=float, default=0.75)
-    t.add_argument("--steps", type=int, default=0, help="0: train for --train-seconds")
-    t.add_argument("--train-seconds", type=float, default=200)
-    t.add_argument("--log-every", type=int, default=25)
-    t.add_argument("--int8", action="store_true", help="store matrices as int8 + per-row scale (half the size)")
-    t.add_argument("--fusion", type=int, default=0,
-                   help="width of a fusion module to add (0: none): the draft then also reads the target's hidden "
-                        "state that produced the last token; only the module trains (see --train-body)")
-    t.add_argument("--train-body", action="store_true", help="a fusion draft's own layers train too")
-    t.add_argument("--fusion-ages", type=int, default=2,
-                   help="how far back that state may lie (level 1 proposes gamma1 tokens per target state)")
-    t.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    {"prepare": prepare, "answers": answers_stage, "train": train}[args.stage](args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
 """Distillation data for a level-1 draft (CPU): freely licensed text available offline -> prompts in the target's chat
-template, and the token ids the draft's reduced LM head scores. `python -m core.distill prepare` runs it.
+template, and the token ids the draft's reduced LM head scores. `python -m distill prepare` runs it.
 
 Sources: the bundled documents except the held-out ones, Debian licences and copyright files, manual pages, Python
 standard-library sources, PyPI packages' README metadata, and the documentation in the Debian packages DEBS
@@ -208,7 +208,7 @@ def prepare(args) -> None:
     save_file({"ids": torch.from_numpy(head)}, out / HEAD_FILE)
     sources["head_vocab"] = {"size": args.head_size, "train_token_coverage": round(covered, 4),
                              "source": "the most frequent token ids of the training prompts + the tokenizer's "
-                                       "special tokens (core.distill prepare)"}
+                                       "special tokens (distill prepare)"}
     (out / "sources.json").write_text(json.dumps(sources, indent=1))
     print(f"{len(texts)} texts, {len(train)} train + {len(val)} val prompts, {int(offsets[-1])} prompt tokens -> {out}")
 
