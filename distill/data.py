@@ -224,6 +224,12 @@ def head_vocab(prompts: list[np.ndarray], tok, size: int) -> tuple[np.ndarray, f
     return head, float(np.isin(train, head).mean())
 
 
+def load_head_ids(data: Path) -> torch.Tensor:
+    """The token ids prepare picked for the draft's head, from a prepared data directory."""
+    from safetensors.torch import load_file
+    return load_file(data / HEAD_FILE)["ids"]
+
+
 def load_prompts(data: Path, max_prompts: int) -> tuple[list[list[int]], np.ndarray]:
     """The prompts of a prepared data directory and their split (0 train, 1 validation)."""
     npz = np.load(data / "prompts.npz")

@@ -3,10 +3,11 @@ resumed from a draft directory."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+
+from core.draftdir import read_draft
 
 
 def make_draft(target, layers: list[int], shared: int = 0):
@@ -49,18 +50,14 @@ def ages(draft) -> int:
     return draft.fusion.age.num_embeddings if draft.fusion is not None else 0
 
 
-def resumed(target, directory: Path):
-    """A draft saved by train (own layers and any fusion module from its file, int8 made whole) to go on training,
-    its shared count."""
-    from safetensors.torch import load_file
-
-    from core.loading import dequantised
-    meta = json.loads((directory / "config.json").read_text())["triforce_draft"]
+def resumed(target, directory: Path) -> tuple[object, int, list[int], torch.Tensor]:
+    """A draft saved by train (own layers and any fusion module from its files, int8 made whole) to go on training,
+    its shared count, the target layers its own layers were initialised from, and its head ids."""
+    _, meta, state, head_ids = read_draft(directory)
     draft = make_draft(target, meta["init_layers"], meta["shared_layers"])
     if fusion := meta.get("fusion"):
         add_fusion(draft, fusion["hidden"], fusion["ages"])
-    state = {k: v.float() for k, v in dequantised(load_file(directory / "model.safetensors")).items()}
-    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing, unexpected = draft.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if unexpected or any(k in missing for k in own_parameters(draft, meta["shared_layers"])):
         raise ValueError(f"{directory}: weights do not fit a draft of its config")
-    return draft, meta["shared_layers"], meta["init_layers"]
+    return draft, meta["shared_layers"], meta["init_layers"], head_ids

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from distill.answers import SETTINGS, generate_answers, read_answers, save_answers
-from distill.data import HEAD_FILE, load_prompts
+from core.draftdir import WEIGHTS_FILE, write_draft
+from distill.data import load_head_ids, load_prompts
 from distill.draft import add_fusion, ages, make_draft, own_parameters, resumed
 from distill.target import as_transformer, load_hf
 
@@ -138,8 +139,6 @@ def distil_loss(draft, head_ids, batch, labels, temps, sink):
 
 
 def train(args) -> None:
-    from safetensors.torch import load_file, save_file
-
     from core.loading import vocab_digest
     t_start = time.time()
     torch.manual_seed(args.seed)
@@ -172,12 +171,16 @@ def train(args) -> None:
         seqs[int(s)] += [(pr + a[0], len(pr)) for a in own]
     n_ans = sum(len(a[0]) for own in answers for a in own)
     log(f"answers: {len(seqs[0])} train / {len(seqs[1])} val sequences, {n_ans} answer tokens in {gen_s:.0f}s")
-    head_ids = load_file((Path(args.resume) if args.resume else data) / HEAD_FILE)["ids"].to(dev)  # a draft's own
 
     # candidates: each init trains on the same batches for --trial-steps; the lowest recent loss continues
     runs = []
-    inits = [resumed(target, Path(args.resume))] if args.resume else \
-        [(make_draft(target, layers, shared), shared, layers) for shared, layers in args.init]
+    if args.resume:  # it keeps its own head ids
+        draft, shared, layers, head_ids = resumed(target, Path(args.resume))
+        inits = [(draft, shared, layers)]
+    else:
+        head_ids = load_head_ids(data)
+        inits = [(make_draft(target, layers, shared), shared, layers) for shared, layers in args.init]
+    head_ids = head_ids.to(dev)
     for d, shared, layers in inits:
         if args.fusion and d.fusion is None:
             add_fusion(d, args.fusion, args.fusion_ages)
@@ -242,38 +245,29 @@ def train(args) -> None:
                 + " ".join(f"{k} {v:.3f}" for k, v in st.items() if k.startswith("top1")))
     best = min(runs, key=lambda r: np.mean(r["losses"][-10:]))
     draft, before, init_layers, shared = best["draft"], best["val_before"], best["layers"], best["shared"]
-    own = {k: v.detach().float().contiguous() for k, v in own_parameters(draft, shared).items()}
+    own = own_parameters(draft, shared)
     n_params = sum(v.numel() for v in own.values())
     train_s = time.time() - t1
     after = evaluate(draft)
     log(f"trained {step} steps in {train_s:.0f}s; val after: {after}")
 
-    for k in list(own):
-        if args.int8 and own[k].dim() == 2:  # int8 rows + a bf16 scale per row (more layers under the 20 MB limit)
-            scale = (own[k].abs().amax(1, keepdim=True) / 127).clamp_min(1e-8).to(torch.bfloat16)
-            # stored weights re-stored unchanged give the same bytes (a fusion run leaves the body as it was)
-            own[k], own[k + ".scale"] = (own[k] / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
-        else:
-            own[k] = own[k].to(torch.bfloat16)
-    save_file(own, out / "model.safetensors", metadata={"format": "pt"})
-    save_file({"ids": head_ids.cpu()}, out / HEAD_FILE)
     config = hf.config.to_dict()
     config.update(num_hidden_layers=shared + len(init_layers), torch_dtype="bfloat16", dtype="bfloat16")
     head_meta = json.loads((data / "sources.json").read_text())["head_vocab"]
-    config["triforce_draft"] = {
+    meta = {
         "name": args.name, "shares_target_embedding": True, "target": src.name, "vocab_sha256": vocab_digest(tok),
         "shared_layers": shared, "init_layers": init_layers, "own_parameters": n_params,
         "sink": args.sink, "window": args.window, "temperatures": args.temps, "steps": step, "seed": args.seed,
-        "int8": args.int8, "resumed_from": args.resume, "head_vocab": {"file": HEAD_FILE, **head_meta}}
+        "int8": args.int8, "resumed_from": args.resume, "head_vocab": head_meta}
     if draft.fusion is not None:
-        config["triforce_draft"]["fusion"] = {
+        meta["fusion"] = {
             "hidden": draft.fusion.up.out_features, "ages": ages(draft),
             "feature": "the target's final-normed hidden state that produced the last token, `age` positions back"}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_draft(out, config, meta, own, head_ids)
     report = {"command": " ".join(sys.argv), "args": vars(args), "device": torch.cuda.get_device_name() if
               dev.type == "cuda" else "cpu", "torch": torch.__version__, "generation_seconds": round(gen_s, 1),
               "train_seconds": round(train_s, 1), "steps": step, "answer_tokens": n_ans,
               "train_sequences": len(seqs[0]), "val_sequences": len(seqs[1]), "val_before": before,
               "val_after": after, "history": history, "log": log_lines}
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
-    log(f"saved {out}: {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB, total {time.time() - t_start:.0f}s")
+    log(f"saved {out}: {(out / WEIGHTS_FILE).stat().st_size / 1e6:.1f} MB, total {time.time() - t_start:.0f}s")

@@ -56,8 +56,8 @@ def test_prepare_answers_train_resume(data, embedded, tmp_path):
                              torch.device("cpu"), torch.float32)
     assert len(draft.layers) == 3 and draft.layers[1] is embedded.target.layers[1] and len(draft.vocab_ids) == 600
 
-    again, shared, layers = resumed(embedded.target, tmp_path / "d1")
-    assert (shared, layers) == (2, [2])
+    again, shared, layers, head_ids = resumed(embedded.target, tmp_path / "d1")
+    assert (shared, layers) == (2, [2]) and torch.equal(head_ids, draft.vocab_ids)
     own = own_parameters(again, shared)
     assert set(own) == {k for k, _ in draft.named_parameters() if k.startswith(("layers.2.", "norm."))}
     for k, v in own.items():  # training goes on from the stored (int8-rounded) weights, not from the target's
