@@ -44,7 +44,7 @@ def build_config(method: str, max_new_tokens: float, budget: float, chunk_size: 
     config = GenerationConfig(
         method=method, max_new_tokens=_int("max new tokens", max_new_tokens), budget=_int("budget", budget),
         chunk_size=_int("chunk size", chunk_size), gamma1=_int("γ1", gamma1), gamma2=_int("γ2", gamma2),
-        drafter=None if drafter == "auto" else drafter, reselect=policy,
+        drafter=drafter, reselect=policy,
         temperature=_float("temperature", temperature), top_p=_float("top-p", top_p), seed=_int("seed", seed),
         greedy=bool(greedy), overflow=overflow,
         draft_confidence=_float("draft confidence gate", draft_confidence),

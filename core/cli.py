@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import typing
 from pathlib import Path
 
-from core.config import GenerationConfig, TriForceError
+from core.config import GenerationConfig, TriForceError, settings, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
 
@@ -17,8 +19,28 @@ LEGEND = "green: level-1 draft accepted  cyan: level-1 copy accepted  yellow: le
     "correction/bonus"
 
 
-def _reselect(value: str):
-    return int(value) if value.isdigit() else value
+def add_settings(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per GenerationConfig setting, with its help, choices and default (core.config declares them)."""
+    hints = typing.get_type_hints(GenerationConfig)
+    for name, (field, spec) in settings().items():
+        if not spec.cli or name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        kinds = value_types(hints[name])
+        if bool in kinds:
+            if default:
+                p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false", help=spec.help)
+            else:
+                p.add_argument(flag, action="store_true", help=spec.help)
+        elif list in kinds:
+            p.add_argument(flag, action="append", default=default, help=spec.help)
+        else:
+            convert = spec.parse or (float if float in kinds else int if int in kinds else str)
+            choices = None if spec.parse or int in kinds or float in kinds else spec.options()
+            more = f"; choices: {', '.join(spec.options())} or N" if spec.parse else ""
+            p.add_argument(flag, type=convert, default=default, choices=choices,
+                           help=f"{spec.help}{more}" + ("" if default is None else f" (default: {default})"))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,44 +50,18 @@ def parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("--doc", required=True, help="document file (UTF-8 text)")
         s.add_argument("--prompt", required=True, help="instruction or question")
-        if name == "generate":
-            s.add_argument("--method", choices=["triforce", "ar"], default="triforce")
-        s.add_argument("--greedy", action="store_true")
-        s.add_argument("--max-new-tokens", type=int, default=128)
-        s.add_argument("--budget", type=int, default=4096)
-        s.add_argument("--chunk-size", type=int, default=8)
-        s.add_argument("--gamma1", type=int, default=2)
-        s.add_argument("--gamma2", type=int, default=6)
-        s.add_argument("--drafter", choices=["model", "ngram", "none"])
-        s.add_argument("--draft-confidence", type=float, default=0.0,
-                       help="the model drafter stops proposing below this top probability (0: never)")
-        s.add_argument("--lookup-min", type=int, default=GenerationConfig.lookup_min,
-                       help="the model drafter copies the document's continuation after a match of this many "
-                            "tokens (0: never)")
-        s.add_argument("--no-draft-fusion", dest="draft_fusion", action="store_false",
-                       help="a draft with a fusion module proposes without the target's hidden states")
-        s.add_argument("--reselect", type=_reselect, default="once", help="once, every_verify or every N rounds")
-        s.add_argument("--temperature", type=float, default=0.6)
-        s.add_argument("--top-p", type=float, default=0.9)
-        s.add_argument("--top-k", type=int, default=0)
-        s.add_argument("--seed", type=int, default=0)
+        add_settings(s, skip=() if name == "generate" else ("method",))
         s.add_argument("--draft", help="draft model: hub id, directory or .gguf")
         s.add_argument("--target", help="target model: hub id, directory or .gguf (default: embedded SmolLM2)")
         s.add_argument("--device")
         s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-        s.add_argument("--overflow", choices=["truncate", "refuse"], default="truncate")
-        s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
 def _config(args, method: str) -> GenerationConfig:
-    return GenerationConfig(
-        method=method, greedy=args.greedy, max_new_tokens=args.max_new_tokens, budget=args.budget,
-        chunk_size=args.chunk_size, gamma1=args.gamma1, gamma2=args.gamma2, drafter=args.drafter,
-        reselect=args.reselect, draft_confidence=args.draft_confidence, lookup_min=args.lookup_min,
-        draft_fusion=args.draft_fusion, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        overflow=args.overflow, stop=args.stop).validate()
+    values = {name: getattr(args, name) for name, (_, spec) in settings().items() if hasattr(args, name)}
+    return GenerationConfig(**{**values, "method": method}).validate()
 
 
 def _run(engine: Engine, document: str, args, cfg: GenerationConfig, show: bool) -> Finished:

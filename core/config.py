@@ -1,13 +1,17 @@
-"""Generation settings and the errors bad input raises."""
+"""Generation settings, each declared once with its help, range and choices (the CLI flags and the app's Settings
+panel are built from them), and the errors bad input raises."""
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Union
+from typing import Any, Callable, Literal, Union
 
 Method = Literal["triforce", "ar"]
-DrafterName = Literal["model", "ngram", "none"]
-Reselect = Union[Literal["once", "every_verify"], int]
+Reselect = Union[str, int]
+SEED_LIMIT = 2**63  # torch generators take seeds below this
 
 
 class TriForceError(ValueError):
@@ -26,63 +30,112 @@ class ModelNotFoundError(TriForceError):
     """A model path or id could not be resolved offline."""
 
 
+def _drafters() -> tuple[str, ...]:
+    from core.drafters import DRAFTERS
+    return ("auto", *DRAFTERS)
+
+
+def _policies() -> tuple[str, ...]:
+    from core.retrieval import SELECTION_POLICIES
+    return tuple(SELECTION_POLICIES)
+
+
+def parse_reselect(text: str | int) -> Reselect:
+    """A re-selection setting from text: a policy name, or a whole number N (every N verifications)."""
+    if isinstance(text, int) or (isinstance(text, str) and text.strip().isdigit()):
+        return int(text)
+    return str(text).strip()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one setting is described and bounded: help, label, range, choices (a tuple, or a function giving the
+    registered names), how text becomes a value, the step of its slider, and whether the CLI and app show it."""
+
+    help: str
+    label: str = ""
+    low: float | None = None
+    high: float | None = None
+    choices: tuple | Callable[[], tuple] | None = None
+    parse: Callable[[str], Any] | None = None
+    step: float | None = None
+    app: bool = True
+    cli: bool = True
+
+    def options(self) -> tuple | None:
+        return self.choices() if callable(self.choices) else self.choices
+
+
+def setting(default: Any, help: str, **spec: Any) -> Any:
+    """A dataclass field carrying its Setting (a list default becomes a factory)."""
+    meta = {"setting": Setting(help, **spec)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class GenerationConfig:
     """Everything one generation needs besides the models and the input."""
 
-    method: Method = "triforce"
-    max_new_tokens: int = 256
-    budget: int = 4096
-    chunk_size: int = 8
-    gamma1: int = 2
-    gamma2: int = 6
-    drafter: DrafterName | None = None  # None: `model` if a draft model is loaded, else `ngram`
-    reselect: Reselect = "once"
-    temperature: float = 0.6
-    top_p: float = 0.9
-    top_k: int = 0
-    greedy: bool = False
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
-    overflow: Literal["truncate", "refuse"] = "truncate"
-    sink_tokens: int = 16
-    window_tokens: int = 240
-    ngram_max: int = 4
-    draft_confidence: float = 0.0  # the model drafter stops proposing when its top probability falls below this
-    lookup_min: int = 4  # the model drafter copies the continuation of an earlier match this long; 0: never
-    draft_fusion: bool = True  # a draft with a fusion module reads the target's hidden states; False: the draft alone
-    prefill_chunk: int | None = None  # tokens per prefill forward; None: 2048 on a CPU, as many as fit on a GPU
+    method: Method = setting("triforce", "decoding method", label="Method", choices=("triforce", "ar"), app=False)
+    max_new_tokens: int = setting(128, "answer length limit in tokens", label="Max new tokens", low=1, high=32768)
+    budget: int | None = setting(None, "retrieval budget in tokens (a multiple of the chunk size; default 4096, or "
+                                 "8192 with the full cache offloaded)", label="Retrieval budget (tokens)", low=1,
+                                 high=1 << 20)
+    chunk_size: int = setting(8, "tokens per retrieval chunk", label="Chunk size (tokens)", low=1, high=64)
+    gamma1: int = setting(2, "level-1 tokens per level-2 verification", label="γ1 (level-1 tokens per level-2 check)",
+                          low=1, high=16)
+    gamma2: int | None = setting(None, "level-2 tokens per level-3 verification (default 6, or 12 with the full cache "
+                                 "offloaded)", label="γ2 (level-2 tokens per level-3 check)", low=1, high=32)
+    drafter: str = setting("auto", "level-1 drafter (auto: the draft model if one is loaded, else ngram)",
+                           label="Level-1 drafter", choices=_drafters)
+    reselect: Reselect = setting("once", "when to choose the retrieved chunks again: a policy or every N "
+                                 "verifications", label="Re-select chunks", choices=_policies, parse=parse_reselect,
+                                 low=1)
+    temperature: float = setting(0.6, "sampling temperature (0: greedy)", label="Temperature", low=0.0, high=2.0,
+                                 step=0.05)
+    top_p: float = setting(0.9, "nucleus sampling mass", label="Top-p", low=0.01, high=1.0, step=0.01)
+    top_k: int = setting(0, "sample among the k most likely tokens (0: all)", label="Top-k", low=0, high=1 << 20)
+    greedy: bool = setting(False, "greedy decoding (token-identical to autoregressive)",
+                           label="Greedy (token-identical to autoregressive)")
+    seed: int = setting(0, "random seed (0 to 2^63 - 1)", label="Seed", low=0, high=SEED_LIMIT - 1)
+    stop: list[str] = setting([], "stop string (repeatable)", label="Stop strings", app=False)
+    overflow: str = setting("truncate", "a document longer than the context: drop its middle, or refuse",
+                            label="Document longer than the context", choices=("truncate", "refuse"))
+    sink_tokens: int = setting(16, "StreamingLLM sink tokens of the level-1 cache", label="Draft sink tokens", low=1,
+                               high=4096)
+    window_tokens: int = setting(240, "StreamingLLM recent window of the level-1 cache", label="Draft window tokens",
+                                 low=1, high=65536)
+    ngram_max: int = setting(4, "longest n-gram the prompt lookup matches", label="Longest n-gram", low=1, high=64)
+    draft_confidence: float = setting(0.0, "the model drafter stops proposing when its top probability is below "
+                                      "this (0: never)", label="Draft confidence gate", low=0.0, high=0.99, step=0.05)
+    lookup_min: int = setting(4, "the model drafter copies what followed an earlier match of this many tokens "
+                              "(0: never)", label="Copy from the text after a match of (tokens)", low=0, high=64)
+    draft_fusion: bool = setting(True, "a draft with a fusion module reads the target's hidden state (off: the draft "
+                                 "alone)", label="Draft reads the target's hidden state")
+    prefill_chunk: int | None = setting(None, "tokens per prefill forward (default: 2048 on a CPU, as many as fit "
+                                        "on a GPU)", label="Prefill chunk", low=1, high=1 << 24, app=False)
+    offload: str = setting("auto", "keep the full KV cache in CPU memory and stream it to the GPU layer by layer "
+                           "(auto: when it does not fit the GPU)", label="Offload the full KV cache",
+                           choices=("auto", "on", "off"))
 
-    def validate(self) -> "GenerationConfig":
+    def validate(self) -> GenerationConfig:
         """Raise TriForceError naming the first bad setting; return self when all are valid."""
-        checks = [
-            (self.method in ("triforce", "ar"), f"method must be 'triforce' or 'ar', got {self.method!r}"),
-            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
-            (self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}"),
-            (self.budget >= self.chunk_size, f"budget ({self.budget}) must be at least chunk_size ({self.chunk_size})"),
-            (self.budget % self.chunk_size == 0,
-             f"budget ({self.budget}) must be a multiple of chunk_size ({self.chunk_size})"),
-            (self.gamma1 >= 1, f"gamma1 must be >= 1, got {self.gamma1}"),
-            (self.gamma2 >= 1, f"gamma2 must be >= 1, got {self.gamma2}"),
-            (self.drafter in (None, "model", "ngram", "none"),
-             f"drafter must be 'model', 'ngram' or 'none', got {self.drafter!r}"),
-            (self.reselect in ("once", "every_verify") or (isinstance(self.reselect, int) and self.reselect >= 1),
-             f"reselect must be 'once', 'every_verify' or a positive integer, got {self.reselect!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
-            (self.overflow in ("truncate", "refuse"), f"overflow must be 'truncate' or 'refuse', got {self.overflow!r}"),
-            (self.sink_tokens >= 1 and self.window_tokens >= 1, "sink_tokens and window_tokens must be >= 1"),
-            (self.ngram_max >= 1, f"ngram_max must be >= 1, got {self.ngram_max}"),
-            (0 <= self.draft_confidence < 1, f"draft_confidence must be in [0, 1), got {self.draft_confidence}"),
-            (self.lookup_min >= 0, f"lookup_min must be >= 0, got {self.lookup_min}"),
-            (self.prefill_chunk is None or self.prefill_chunk >= 1,
-             f"prefill_chunk must be >= 1 or None, got {self.prefill_chunk}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise TriForceError(message)
+        hints = typing.get_type_hints(GenerationConfig)
+        for f in dataclasses.fields(self):
+            check(f.name, getattr(self, f.name), hints[f.name], f.metadata["setting"])
+        if self.budget is not None and self.budget % self.chunk_size:
+            raise TriForceError(f"budget ({self.budget}) must be a multiple of chunk_size ({self.chunk_size})")
+        if self.budget is not None and self.budget < self.chunk_size:
+            raise TriForceError(f"budget ({self.budget}) must be at least chunk_size ({self.chunk_size})")
         return self
+
+    def resolved(self, offloaded: bool) -> GenerationConfig:
+        """A copy with the regime's defaults filled in: budget 4096 and γ2 6 on-chip, 8192 and 12 offloaded (the
+        paper's settings for each)."""
+        return dataclasses.replace(self, budget=self.budget or (8192 if offloaded else 4096),
+                                   gamma2=self.gamma2 or (12 if offloaded else 6)).validate()
 
     @property
     def is_greedy(self) -> bool:
@@ -90,3 +143,42 @@ class GenerationConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def settings() -> dict[str, tuple[dataclasses.Field, Setting]]:
+    """Every setting by name, in declaration order."""
+    return {f.name: (f, f.metadata["setting"]) for f in dataclasses.fields(GenerationConfig)}
+
+
+def value_types(hint: Any) -> tuple[type, ...]:
+    """The Python types a setting's annotation allows (a Literal's values are strings)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return (str,)
+    if origin in (Union, types.UnionType):
+        return tuple(t for arg in typing.get_args(hint) for t in value_types(arg))
+    return (origin or hint,)
+
+
+def check(name: str, value: Any, hint: Any, spec: Setting) -> None:
+    """Raise TriForceError unless value fits the setting's type, range and choices."""
+    kinds = value_types(hint)
+    number = float in kinds or int in kinds
+    if value is None and type(None) in kinds or isinstance(value, bool) and bool in kinds:
+        return
+    if isinstance(value, list) and list in kinds and all(isinstance(v, str) for v in value):
+        return
+    if isinstance(value, str) and str in kinds:
+        choices = spec.options()
+        if choices is not None and value not in choices:
+            raise TriForceError(f"{name} must be one of {', '.join(map(str, choices))}"
+                                f"{' or a whole number' if int in kinds else ''}, got {value!r}")
+        return
+    ok_type = isinstance(value, int) if float not in kinds else isinstance(value, (int, float))
+    if not number or isinstance(value, bool) or not ok_type:
+        want = "a number" if float in kinds else "a whole number" if int in kinds else \
+            "true or false" if bool in kinds else "a list of strings"
+        raise TriForceError(f"{name} must be {want}, got {value!r}")
+    if value != value or (spec.low is not None and value < spec.low) or (spec.high is not None and value > spec.high):
+        bounds = f">= {spec.low}" if spec.high is None else f"between {spec.low} and {spec.high}"
+        raise TriForceError(f"{name} must be {bounds}, got {value!r}")

@@ -1,17 +1,16 @@
-"""CUDA graphs of fixed-shape decode steps: captured once per (cache, tokens fed, logits rows, recorded rows) and
+"""CUDA graphs of fixed-shape decode steps: captured once per (cache, tokens fed, rows returned, rows recorded) and
 replayed with the token ids copied into a static buffer. The cache's lengths live in device memory (KVCache.meta),
 so one graph stays valid while the cache grows and rolls back."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from core.kvcache import KVCache
 from core.model import Transformer
-
-ENABLED = True  # benchmarks switch this off to time the same kernels launched eagerly
 
 
 @dataclass
@@ -21,41 +20,47 @@ class Graph:
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor
     hidden: torch.Tensor
-    queries: list[torch.Tensor | None]
+    queries: list[torch.Tensor]
 
 
-def applies(model: Transformer, cache: KVCache, n: int) -> bool:
-    """Whether a step of n tokens on this cache can run as a graph (CUDA kernels, no host-dependent RoPE)."""
-    return ENABLED and cache.kernels is not None and n <= cache.kernels.MAX_QUERIES and \
-        model.rotary.rope_type != "dynamic"
+class Graphs:
+    """The graphs captured on each cache (kept while the cache lives): an engine holds one of these when CUDA graphs
+    are on."""
+
+    def __init__(self):
+        self.by_cache: weakref.WeakKeyDictionary[KVCache, dict] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def applies(model: Transformer, cache: KVCache, n: int) -> bool:
+        """Whether a step of n tokens on this cache can run as a graph (device-side lengths, no host-dependent RoPE)."""
+        ops = model.ops
+        return ops.device_steps and cache.on_cuda and type(cache).layer is KVCache.layer and \
+            n <= ops.k.MAX_QUERIES and model.rotary.rope_type != "dynamic"
+
+    def step(self, model: Transformer, cache: KVCache, ids: list[int], n_rows: int, record: int
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """model.step(ids, cache, n_rows, record) replayed from a graph (captured on first use of this shape)."""
+        cache.begin(len(ids))
+        graphs = self.by_cache.setdefault(cache, {})
+        key = (len(ids), n_rows, record)
+        g = graphs.get(key)
+        if g is None:
+            g = graphs[key] = _capture(model, cache, torch.tensor(ids, device=cache.k.device), n_rows, record)
+        else:
+            g.ids.copy_(torch.tensor(ids), non_blocking=True)
+        g.graph.replay()
+        cache.end()
+        return g.hidden.clone(), list(g.queries)
 
 
-def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int) -> Graph:
+def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int, record: int) -> Graph:
     """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture one step."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        model.step(ids, cache, n_rows)
+        model.step(ids, cache, n_rows, record)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        hidden = model.step(ids, cache, n_rows)
-    return Graph(graph, ids, hidden, list(cache.queries))
-
-
-def step(model: Transformer, cache: KVCache, ids: list[int], n_rows: int) -> torch.Tensor:
-    """model.step(ids, cache, n_rows) (normed hidden states of the last n_rows positions) replayed from a graph
-    (captured on first use of this shape)."""
-    cache.begin(len(ids))
-    key = (len(ids), n_rows, cache.record_rows)
-    g = cache.graphs.get(key)
-    if g is None:
-        buf = torch.tensor(ids, device=cache.k.device)
-        g = cache.graphs[key] = _capture(model, cache, buf, n_rows)
-    else:
-        g.ids.copy_(torch.tensor(ids), non_blocking=True)
-    g.graph.replay()
-    if cache.record_rows:
-        cache.queries = list(g.queries)
-    cache.end()
-    return g.hidden.clone()
+        hidden, queries = model.step(ids, cache, n_rows, record)
+    return Graph(graph, ids, hidden, queries)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
-from core.config import GenerationConfig
+from core.config import GenerationConfig, TriForceError
+from core.cuda_graphs import Graphs
 from core.kvcache import CachePool, StreamingCache
 from core.levels import Level
 from core.model import Transformer
@@ -28,15 +30,31 @@ class Drafter(Protocol):
     normed hidden state that produced the last of them, when known)."""
 
     name: str
+    steps: int  # forwards of a draft model so far
 
     def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
                 feature: torch.Tensor | None = None) -> Proposal: ...
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may use: the draft model (None when none is loaded), the settings, the prompt ids, the
+    target's vocabulary size, the shared generator, and the engine's cache pool and CUDA graphs."""
+
+    draft: Transformer | None
+    cfg: GenerationConfig
+    prompt: list[int]
+    vocab_size: int
+    generator: torch.Generator
+    pool: CachePool | None = None
+    graphs: Graphs | None = None
 
 
 class NoDrafter:
     """Two-level TriForce: level 2 samples one token at a time."""
 
     name = "none"
+    steps = 0
 
     def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
                 feature: torch.Tensor | None = None) -> Proposal:
@@ -47,6 +65,7 @@ class NgramDrafter:
     """Prompt lookup: continue the longest recent suffix n-gram found earlier in the document or output."""
 
     name = "ngram"
+    steps = 0
 
     def __init__(self, max_n: int):
         self.max_n = max_n
@@ -96,7 +115,7 @@ class ModelDrafter:
     name = "model"
 
     def __init__(self, model: Transformer, cfg: GenerationConfig, prompt: list[int], vocab_size: int,
-                 generator: torch.Generator, pool: CachePool | None = None):
+                 generator: torch.Generator, pool: CachePool | None = None, graphs: Graphs | None = None):
         a = model.args
         slack = cfg.gamma1 + cfg.gamma2 + 8
 
@@ -112,7 +131,7 @@ class ModelDrafter:
                               and (c.sink, c.window, c.rotary) == (cfg.sink_tokens, cfg.window_tokens, model.rotary),
                               make)
             cache.reset()
-        self.level = Level(model, cache, [])
+        self.level = Level(model, cache, [], graphs)
         self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator
         self.lookup = NgramDrafter(max(cfg.ngram_max, cfg.lookup_min)) if cfg.lookup_min else None
         body = prompt[:-1]
@@ -154,6 +173,12 @@ class ModelDrafter:
             copied.append(False)
         return Proposal(tokens, torch.stack(qs) if qs else None, copied)
 
+    @classmethod
+    def create(cls, ctx: DraftContext) -> "ModelDrafter":
+        if ctx.draft is None:
+            raise TriForceError("drafter 'model' needs a draft model; load one or pick 'ngram' or 'none'")
+        return cls(ctx.draft, ctx.cfg, ctx.prompt, ctx.vocab_size, ctx.generator, ctx.pool, ctx.graphs)
+
     @property
     def steps(self) -> int:
         """Forwards of the draft model so far (proposed tokens plus steps whose token the confidence gate held back)."""
@@ -169,3 +194,17 @@ class ModelDrafter:
         if v >= self.vocab_size:
             return logits[..., :self.vocab_size]
         return torch.nn.functional.pad(logits, (0, self.vocab_size - v), value=float("-inf"))
+
+
+DRAFTERS: dict[str, Callable[[DraftContext], Drafter]] = {
+    "model": ModelDrafter.create,
+    "ngram": lambda ctx: NgramDrafter(ctx.cfg.ngram_max),
+    "none": lambda ctx: NoDrafter(),
+}
+
+
+def make_drafter(name: str, ctx: DraftContext) -> Drafter:
+    """The drafter a setting names ("auto": the draft model when one is loaded, else prompt lookup)."""
+    if name == "auto":
+        name = "model" if ctx.draft is not None else "ngram"
+    return DRAFTERS[name](ctx)

@@ -11,16 +11,17 @@ import torch
 import transformers
 
 from core.autoregressive import autoregressive
-from core.config import GenerationConfig, TriForceError
-from core.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from core.events import Event, Finished, Loading, PrefillProgress, PromptReady, Stats
+from core.config import GenerationConfig
+from core.cuda_graphs import Graphs
+from core.drafters import DraftContext, Drafter, make_drafter
+from core.events import Acceptance, Event, Finished, Loading, PrefillProgress, PromptReady, Stats
 from core.kvcache import CachePool, KVCache
 from core.levels import Level
 from core.loading import default_device, default_draft, default_dtype, load_draft, load_model
 from core.model import Transformer
 from core.output import Output
 from core.prompting import build_prompt
-from core.triforce import Tally, triforce
+from core.triforce import TriForce
 
 _LOADED: dict[tuple, "Engine"] = {}
 
@@ -50,14 +51,16 @@ class Engine:
     info: dict = field(default_factory=dict)
     _prefilled: tuple | None = None  # (prompt ids, full cache, its last prefill queries): reused by the next run
     pool: CachePool = field(default_factory=CachePool)  # retrieval/draft caches (and their CUDA graphs) kept
+    graphs: Graphs | None = None  # CUDA graphs of decode steps (None: launched eagerly)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, device: str | None = None,
              dtype: str | None = None, context_length: int | None = None, rope_scaling: dict | None = None,
-             progress=None) -> "Engine":
+             progress=None, cuda_graphs: bool = True) -> "Engine":
         """Load (once per process for the same arguments) target and draft; None target = the embedded default,
-        whose draft defaults to the one shipped in assets/draft ("" or "none": no draft model)."""
-        key = (target, draft, device, dtype, context_length, repr(rope_scaling))
+        whose draft defaults to the one shipped in assets/draft ("" or "none": no draft model). `cuda_graphs`: replay
+        decode steps on a GPU from CUDA graphs (off: launch them eagerly)."""
+        key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs)
         if key in _LOADED:
             return _LOADED[key]
         dev = torch.device(device) if device else default_device()
@@ -74,7 +77,8 @@ class Engine:
         ctx = context_length or model.args.max_position
         if model.args.attention_window:  # within the window full attention is exact; beyond it would not be
             ctx = min(ctx, model.args.attention_window)
-        engine = cls(model, tok, src.name, draft_model, draft_name, ctx)
+        engine = cls(model, tok, src.name, draft_model, draft_name, ctx,
+                     graphs=Graphs() if cuda_graphs and dev.type == "cuda" else None)
         engine.info = {
             "target": src.name, "draft": draft_name, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
             "context_length": ctx, "attention_window": model.args.attention_window,
@@ -90,13 +94,10 @@ class Engine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _drafter(self, cfg: GenerationConfig, prompt: list[int], generator: torch.Generator) -> Drafter:
-        name = cfg.drafter or ("model" if self.draft is not None else "ngram")
-        if name == "model":
-            if self.draft is None:
-                raise TriForceError("drafter 'model' needs a draft model; load one or pick 'ngram' or 'none'")
-            return ModelDrafter(self.draft, cfg, prompt, self.target.args.vocab_size, generator, self.pool)
-        return NgramDrafter(cfg.ngram_max) if name == "ngram" else NoDrafter()
+    def drafter(self, cfg: GenerationConfig, prompt: list[int], generator: torch.Generator) -> Drafter:
+        """The level-1 drafter cfg.drafter names, for this prompt."""
+        return make_drafter(cfg.drafter, DraftContext(self.draft, cfg, prompt, self.target.args.vocab_size,
+                                                      generator, self.pool, self.graphs))
 
     def generate(self, document: str, instruction: str, config: GenerationConfig | None = None
                  ) -> Iterator[Event]:
@@ -108,6 +109,7 @@ class Engine:
         return self._run(prompt, cfg)
 
     def _run(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
+        cfg = cfg.resolved(offloaded=False)
         ids = prompt.ids
         cs = cfg.chunk_size
         yield PromptReady(len(ids), prompt.document_tokens, prompt.dropped_tokens, self.context_length,
@@ -115,19 +117,19 @@ class Engine:
                           [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)])
         model = self.target
         self.pool.release()
-        target = Level(model, self._full_cache(ids, cfg), [])
+        target = Level(model, self._full_cache(ids, cfg), [], self.graphs)
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         t0 = time.perf_counter()
         for progress in self._prefill(target, ids, cfg, t0):
             yield progress
         out = Output(self.tokenizer, cfg, model.eos_ids)
-        tally = Tally()
-        drafter = None
+        run = None
         if cfg.method == "ar":
             loop = autoregressive(target, ids, cfg, generator, out)
         else:
-            drafter = self._drafter(cfg, ids, generator)
-            loop = triforce(target, ids, drafter, cfg, generator, out, tally, self.pool)
+            drafter = self.drafter(cfg, ids, generator)
+            run = TriForce(target, ids, self._prefilled[2], drafter, cfg, generator, out, self.pool, self.graphs)
+            loop = run.run()
         prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         forwards_before = target.forwards
@@ -135,17 +137,19 @@ class Engine:
         decode_s = time.perf_counter() - t1
         n = len(out.ids)
         forwards = target.forwards - forwards_before
+        counts = run.counts if run else Acceptance()
         stats = Stats(
             method=cfg.method, new_tokens=n, prompt_tokens=len(ids), dropped_tokens=prompt.dropped_tokens,
             prefill_s=prefill_s, prefill_reused=progress.reused, decode_s=decode_s,
             tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
             time_to_first_token_s=(out.first_token_at or t1) - t0, target_forwards=forwards,
             tokens_per_target_forward=n / forwards if forwards else 0.0,
-            level1_steps=getattr(drafter, "steps", 0),
-            level1_proposed=tally.level1_proposed, level1_accepted=tally.level1_accepted,
-            level2_proposed=tally.level2_proposed, level2_accepted=tally.level2_accepted,
-            cache_bytes=target.cache.nbytes, retrieval_cache_bytes=tally.retrieval_bytes, stop_reason=out.stop_reason,
-            device=str(model.device), dtype=str(model.dtype).removeprefix("torch."), settings=cfg.to_dict())
+            level1_steps=run.drafter.steps if run else 0,
+            level1_proposed=counts.level1_proposed, level1_accepted=counts.level1_accepted,
+            level2_proposed=counts.level2_proposed, level2_accepted=counts.level2_accepted,
+            cache_bytes=target.cache.nbytes, retrieval_cache_bytes=run.retrieval.cache.nbytes if run else 0,
+            stop_reason=out.stop_reason, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
+            settings=cfg.to_dict())
         yield Finished(out.text, out.ids, ids, stats)
 
     def _full_cache(self, ids: list[int], cfg: GenerationConfig) -> KVCache:
@@ -163,14 +167,11 @@ class Engine:
         full, body = target.cache, ids[:-1]
         if self._prefilled and self._prefilled[1] is full and self._prefilled[0] == ids:
             full.truncate(len(body))
-            full.queries = list(self._prefilled[2])
             target.tokens = list(body)
             yield PrefillProgress(len(body), len(body), time.perf_counter() - t0, full.nbytes, reused=True)
             return
         self._prefilled = None
         full.truncate(0)
-        full.record_rows = 1
-        for done in target.prefill(body, cfg.prefill_chunk or default_prefill_chunk(self.target)):
+        for done in target.prefill(body, cfg.prefill_chunk or default_prefill_chunk(self.target), record=1):
             yield PrefillProgress(done, len(body), time.perf_counter() - t0, full.nbytes)
-        full.record_rows = 0
-        self._prefilled = (list(ids), full, list(full.queries))
+        self._prefilled = (list(ids), full, target.queries)

@@ -2,56 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
-from core.model import Rotary, gpu_kernels, rotate, rotate_heads
-
-
-FOLD_QUERIES = 16  # up to this many new tokens attend as rows of their KV head (measured faster on a CPU)
-
-
-@functools.cache
-def flash_attn_func() -> Callable | None:
-    """flash_attn.flash_attn_func when the optional flash-attn package imports, else None."""
-    try:
-        from flash_attn import flash_attn_func as func
-    except ImportError:
-        return None
-    return func
-
-
-def flash_attention(q: torch.Tensor) -> Callable | None:
-    """flash-attn's kernel for a multi-token (prefill) step when it is installed and fits q, else None (SDPA)."""
-    fits = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-    return flash_attn_func() if fits else None
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """Causal GQA attention of n new queries [Hq, n, D] over keys [Hkv, past + n, D] (4-D for SDPA's fast paths)."""
-    hq, n, d = q.shape
-    hkv = k.shape[0]
-    if n > 1 and (flash := flash_attention(q)):  # [1, tokens, heads, D] views; causal is bottom-right aligned
-        return flash(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                     causal=True)[0].transpose(0, 1)
-    if n <= FOLD_QUERIES:  # a decode step: the group's heads x new tokens become rows of one KV head (no K/V copies)
-        group = hq // hkv
-        mask = None if n == 1 else \
-            torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past).repeat(group, 1)
-        out = F.scaled_dot_product_attention(q.reshape(1, hkv, group * n, d), k[None], v[None], attn_mask=mask)
-        return out.view(hq, n, d)
-    gqa = hq != hkv
-    if past == 0:
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=gqa)[0]
-    if q.is_cuda:  # bottom-right causal without a materialised mask: flash / cuDNN / efficient backends
-        bias = causal_lower_right(n, past + n)
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, enable_gqa=gqa)[0]
-    mask = torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=gqa)[0]
+from core.model import Rotary
+from core.ops import DECODE_TOKENS, rotate
 
 
 class KVCache:
@@ -67,16 +23,13 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.head, self.start, self.used = head, start, head
-        self.record_rows = 0  # > 0: keep the group-summed queries of the last rows of each forward (for retrieval)
-        self.queries: list[torch.Tensor | None] = [None] * n_layers
         self._n = 0
-        # CUDA decode path: [first position, first slot] of the new tokens on the device, so that attention reads
-        # lengths from memory and a CUDA graph of a step stays valid as the cache grows.
-        self.kernels = gpu_kernels() if torch.device(device).type == "cuda" else None
-        if self.kernels:
+        # On CUDA, [first position, first slot] of the new tokens also live in device memory, so that decode kernels
+        # read lengths from there and a CUDA graph of a step stays valid as the cache grows.
+        self.on_cuda = torch.device(device).type == "cuda"
+        if self.on_cuda:
             self.meta = torch.zeros(2, dtype=torch.int64, device=device)
-            self.steps = torch.arange(self.kernels.MAX_QUERIES, device=device)
-        self.graphs: dict = {}  # CUDA graphs captured on these buffers (core.cuda_graphs)
+            self.steps = torch.arange(DECODE_TOKENS, device=device)
 
     @property
     def capacity(self) -> int:
@@ -105,54 +58,31 @@ class KVCache:
         if self.used + n > self.capacity:
             raise RuntimeError(f"KV cache full: {self.used} + {n} > {self.capacity}")
         self._n = n
-        if self.fast:
+        if self.on_cuda:
             self.meta.copy_(torch.tensor([self._first_position(), self.used]), non_blocking=True)
-
-    @property
-    def fast(self) -> bool:
-        """Whether this step takes the device-side path (Triton split-K attention, lengths in device memory)."""
-        return self.kernels is not None and self._n <= self.kernels.MAX_QUERIES
 
     def _first_position(self) -> int:
         return self.seq_len
 
     def positions(self) -> torch.Tensor:
-        """Sequence positions of the new tokens (a device tensor)."""
-        if self.fast:
+        """Sequence positions of the new tokens (a device tensor; read from device memory on CUDA decode steps)."""
+        if self.on_cuda and self._n <= DECODE_TOKENS:
             return self.meta[0] + self.steps[:self._n]
         return torch.arange(self._first_position(), self._first_position() + self._n, device=self.k.device)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
-        """Rotate q, k [n, heads, D] with cos/sin, store k and v, attend; on the CUDA decode path one kernel rotates
-        and stores (slots read from self.meta) and split-K attention reads the cache in place."""
-        if not self.fast:
-            return self.store_and_attend(layer, rotate_heads(q, cos, sin), rotate_heads(k, cos, sin),
-                                         v.transpose(0, 1))
-        q = self.kernels.rope_store(q, k, v, cos, sin, self.k[layer], self.v[layer], self.meta)
-        self._record(layer, q)
-        return self.kernels.decode_attention(q, self.k[layer], self.v[layer], self.meta)
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's key and value buffers [Hkv, capacity, D]."""
+        return self.k[i], self.v[i]
 
-    def store_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store rotated k, v [Hkv, n, D] at the next slots and attend with rotated q [Hq, n, D]."""
-        s, n = self.used, self._n
-        self._record(layer, q)
-        self.k[layer, :, s:s + n] = k
-        self.v[layer, :, s:s + n] = v
-        return attention(q, self.k[layer, :, :s + n], self.v[layer, :, :s + n], s)
-
-    def _record(self, layer: int, q: torch.Tensor) -> None:
-        if self.record_rows:
-            rows = q[:, -self.record_rows:]
-            self.queries[layer] = rows.reshape(self.k.shape[1], -1, *rows.shape[1:]).sum(1)  # [Hkv, rows, D]
+    def attended(self, i: int) -> None:
+        """Layer i of the current step has stored its new keys/values and attended (a hook for subclasses)."""
 
     def end(self) -> None:
         self.used += self._n
 
     def reset(self, head: int = 0, start: int = 0) -> None:
-        """Empty the cache for reuse (its buffers and CUDA graphs stay)."""
+        """Empty the cache for reuse (its buffers stay, and so do CUDA graphs captured on them)."""
         self.head, self.start, self.used = head, start, head
-        self.record_rows = 0
 
     def copy_positions(self, src: "KVCache", a: int, b: int) -> None:
         """Overwrite positions [a, b) with src's keys/values for them."""

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from core import cuda_graphs
+from core.cuda_graphs import Graphs
 from core.kvcache import KVCache
 from core.model import Transformer
 
@@ -23,10 +23,11 @@ def common_prefix(a: list[int], b: list[int], start: int, limit: int) -> int:
 class Level:
     """Feeds a model exactly the tokens its cache lacks, rolling the cache back where the sequence changed."""
 
-    def __init__(self, model: Transformer, cache: KVCache, tokens: list[int]):
-        self.model, self.cache = model, cache
+    def __init__(self, model: Transformer, cache: KVCache, tokens: list[int], graphs: Graphs | None = None):
+        self.model, self.cache, self.graphs = model, cache, graphs  # graphs: replay decode steps (None: eager)
         self.tokens = list(tokens)  # the sequence the cache holds keys/values for
         self.forwards = 0
+        self.queries: list[torch.Tensor] = []  # per layer, the queries the last forward recorded [Hkv, rows, D]
 
     def logits(self, seq: list[int], n_last: int, trusted: int = 0, extra: Sequence[int] = ()) -> torch.Tensor:
         """Float32 logits [n_last, V] predicting the tokens after each of the last n_last positions of seq + extra.
@@ -36,28 +37,37 @@ class Level:
         """
         return self.model.head(self.states(seq, n_last, trusted, extra))
 
-    def states(self, seq: list[int], n_last: int, trusted: int = 0, extra: Sequence[int] = ()) -> torch.Tensor:
-        """The normed hidden states [n_last, D] of the last n_last positions of seq + extra (logits: model.head)."""
+    def states(self, seq: list[int], n_last: int, trusted: int = 0, extra: Sequence[int] = (), record: int = 0
+               ) -> torch.Tensor:
+        """The normed hidden states [n_last, D] of the last n_last positions of seq + extra (logits: model.head);
+        with `record`, self.queries holds the group-summed queries of the last `record` positions."""
         total = len(seq) + len(extra)
         start = min(trusted, len(self.tokens), total - n_last)
         tail = seq[start:] + list(extra)  # short: `trusted` is near the end
         keep = start + common_prefix(self.tokens[start:], tail, 0, total - n_last - start)
         self.cache.truncate(keep)
         new = tail[keep - start:]
-        if cuda_graphs.applies(self.model, self.cache, len(new)):
-            out = cuda_graphs.step(self.model, self.cache, new, n_last)
+        if self.graphs is not None and self.graphs.applies(self.model, self.cache, len(new)):
+            out, self.queries = self.graphs.step(self.model, self.cache, new, n_last, record)
         else:
             self.cache.begin(len(new))
-            out = self.model.step(torch.tensor(new, device=self.model.device), self.cache, n_last)
+            out, self.queries = self.model.step(torch.tensor(new, device=self.model.device), self.cache, n_last,
+                                                record)
         del self.tokens[keep:]
         self.tokens.extend(new)
         self.forwards += 1
         return out
 
-    def prefill(self, ids: list[int], chunk: int):
-        """Feed ids into the cache in chunks without computing logits; yields the count done after each chunk."""
+    def prefill(self, ids: list[int], chunk: int, record: int = 0) -> Iterator[int]:
+        """Feed ids into the cache in chunks without computing logits; yields the count done after each chunk. With
+        `record`, self.queries holds the queries of the last `record` ids."""
         for a in range(0, len(ids), chunk):
             piece = ids[a:a + chunk]
-            self.model(torch.tensor(piece, device=self.model.device), self.cache, n_logits=0)
+            self.cache.begin(len(piece))
+            last = a + chunk >= len(ids)
+            _, queries = self.model.step(torch.tensor(piece, device=self.model.device), self.cache, 0,
+                                         record if last else 0)
+            if last:
+                self.queries = queries
             self.tokens.extend(piece)
             yield a + len(piece)

@@ -1,14 +1,12 @@
 """A compact decoder for Llama-family checkpoints (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) with GQA.
 
-Attention is delegated to a cache object (see kvcache.py) that stores the new keys/values and attends over
-whatever part of the context it holds: the full context, a retrieved subset, or a StreamingLLM window.
+Attention reads and extends a cache (see kvcache.py) holding whatever part of the context a level sees: the full
+context, a retrieved subset, or a StreamingLLM window; core.ops chooses the operators for the device.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from types import ModuleType
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -17,31 +15,40 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from core.ops import TORCH, TorchOps, ops_for
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@functools.cache
-def gpu_kernels() -> ModuleType | None:
-    """core.kernels when Triton imports (CUDA machines), else None."""
-    try:
-        from core import kernels
-    except ImportError:
-        return None
-    return kernels
 
 
 class AttentionCache(Protocol):
     """What the model needs from a cache: host bookkeeping for n new tokens (begin), their positions as a device
-    tensor, and attention over stored + new keys. Everything after begin is device work (CUDA-graph safe)."""
+    tensor, each layer's key/value buffers [Hkv, capacity, D] (slots [0, used) hold the past, the new tokens go
+    next), a hook after each layer attended, and end. Everything after begin is device work (CUDA-graph safe)."""
+
+    used: int
+    meta: torch.Tensor  # on CUDA: [first position, first slot] of the new tokens, read by the decode kernels
 
     def begin(self, n: int) -> None: ...
 
     def positions(self) -> torch.Tensor: ...
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor: ...
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attended(self, i: int) -> None: ...
 
     def end(self) -> None: ...
+
+
+@dataclass
+class Step:
+    """What every layer of one forward shares: RoPE cos/sin, the cache, and where to record the group-summed
+    queries of the last `record` rows (retrieval scores chunks with them)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: AttentionCache | None  # None: plain causal attention over the input alone (training)
+    record: int = 0
+    queries: list[torch.Tensor] = field(default_factory=list)
 
 
 def _sliding_window(config: PretrainedConfig) -> int | None:
@@ -131,13 +138,6 @@ class Rotary(nn.Module):
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE to x [..., n, head_dim] with cos/sin [n, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32."""
 
@@ -146,35 +146,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and (kernels := gpu_kernels()):
-            return kernels.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of x [n, heads, head_dim], returned head-major [heads, n, head_dim] (one launch on CUDA)."""
-    if x.is_cuda and (kernels := gpu_kernels()):
-        return kernels.rope(x, cos, sin)
-    return rotate(x.transpose(0, 1), cos, sin)
-
-
-def decode_gemv(x: torch.Tensor) -> ModuleType | None:
-    """core.kernels when x holds the few rows of a decode step on a GPU and its Triton GEMV is on, else None."""
-    kernels = gpu_kernels() if x.is_cuda else None
-    return kernels if kernels and kernels.USE_GEMV and x.shape[0] <= kernels.GEMV_ROWS else None
-
-
-def project_add(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
-    """residual += proj(x), in place as one kernel: the add rides in the GEMM (no add kernel, no copy)."""
-    if kernels := decode_gemv(x):
-        return kernels.gemv(x, proj.weight, proj.bias, add_to=residual)
-    if proj.bias is not None:
-        return residual + proj(x)
-    return residual.addmm_(x, proj.weight.t())
+    def forward(self, x: torch.Tensor, ops: TorchOps = TORCH) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -192,7 +165,7 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; the cache applies RoPE, stores the keys/values and does the attending."""
+    """Grouped-query attention over a cache (the ops rotate, store and attend) or over the input alone."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -208,24 +181,32 @@ class Attention(nn.Module):
         self.wqkv: torch.Tensor | None = None  # fused q/k/v weight (Transformer.fuse_projections)
         self.bqkv: torch.Tensor | None = None
 
-    def forward(self, x, residual, cos, sin, cache: AttentionCache, layer: int) -> torch.Tensor:
-        """residual + attention output of x [n, dim]."""
-        n = x.shape[0]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, step: Step, layer: int, ops: TorchOps
+                ) -> torch.Tensor:
+        """residual + attention output of x [..., n, dim]."""
+        lead = x.shape[:-1]
         a = self.args
         if self.wqkv is not None:
             sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
-            qkv = kernels.gemv(x, self.wqkv, self.bqkv) if (kernels := decode_gemv(x)) else \
-                F.linear(x, self.wqkv, self.bqkv)
-            q, k, v = qkv.split(sizes, dim=-1)
+            q, k, v = ops.linear(x, self.wqkv, self.bqkv).split(sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(n, a.n_heads, a.head_dim)
-        k = k.view(n, a.n_kv_heads, a.head_dim)
-        v = v.view(n, a.n_kv_heads, a.head_dim)
+        q = q.view(*lead, a.n_heads, a.head_dim)
+        k = k.view(*lead, a.n_kv_heads, a.head_dim)
+        v = v.view(*lead, a.n_kv_heads, a.head_dim)
         if a.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = cache.attend(layer, q, k, v, cos, sin)  # [n_heads, n, head_dim]
-        return project_add(residual, out.transpose(0, 1).reshape(n, a.n_heads * a.head_dim), self.o_proj)
+            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+        if step.cache is None:  # plain causal attention over the input (a training batch)
+            q, k = ops.rope_heads(q, step.cos, step.sin), ops.rope_heads(k, step.cos, step.sin)
+            out = F.scaled_dot_product_attention(q, k, v.transpose(-3, -2), is_causal=True,
+                                                 enable_gqa=a.n_heads != a.n_kv_heads)
+        else:
+            out, q = ops.attend(step.cache, layer, q, k, v, step.cos, step.sin)  # [n_heads, n, head_dim]
+            if step.record:  # the group-summed queries of the last rows: [Hkv, rows, D]
+                rows = q[:, -step.record:]
+                step.queries.append(rows.reshape(a.n_kv_heads, -1, *rows.shape[1:]).sum(1))
+        out = out.transpose(-3, -2).reshape(*lead, a.n_heads * a.head_dim)
+        return ops.linear_add(residual, out, self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -238,15 +219,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
         self.w13: torch.Tensor | None = None  # fused gate/up weight (Transformer.fuse_projections)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + feed-forward output of x [n, dim]."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """residual + feed-forward output of x [..., n, dim]."""
         if self.w13 is None:
-            return project_add(residual, F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj)
-        gate_up = F.linear(x, self.w13)
-        if x.is_cuda and (kernels := gpu_kernels()):
-            return project_add(residual, kernels.silu_mul(gate_up), self.down_proj)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return project_add(residual, F.silu(gate) * up, self.down_proj)
+            hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            hidden = ops.silu_mul(F.linear(x, self.w13))
+        return ops.linear_add(residual, hidden, self.down_proj.weight)
 
 
 class Block(nn.Module):
@@ -259,9 +238,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, cache: AttentionCache, layer: int) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(x), x, cos, sin, cache, layer)
-        return self.mlp(self.post_attention_layernorm(x), x)
+    def forward(self, x: torch.Tensor, step: Step, layer: int, ops: TorchOps) -> torch.Tensor:
+        x = self.self_attn(self.input_layernorm(x, ops), x, step, layer, ops)
+        return self.mlp(self.post_attention_layernorm(x, ops), x, ops)
 
 
 class Fusion(nn.Module):
@@ -297,6 +276,7 @@ class Transformer(nn.Module):
         self.rotary = Rotary(config, args.head_dim)
         self.vocab_ids: torch.Tensor | None = None  # the token ids lm_head scores when it covers only some of them
         self.fusion: Fusion | None = None  # a draft's late fusion of the target's hidden states (core.distill)
+        self._ops: TorchOps | None = None
 
     @property
     def device(self) -> torch.device:
@@ -306,23 +286,46 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def ops(self) -> TorchOps:
+        """How it computes: core.ops.ops_for its device unless set (e.g. cuBLAS projections, to compare)."""
+        return self._ops or ops_for(self.device)
+
+    @ops.setter
+    def ops(self, ops: TorchOps | None) -> None:
+        self._ops = ops
+
     def forward(self, ids: torch.Tensor, cache: AttentionCache, n_logits: int | None = None) -> torch.Tensor:
         """Run tokens ids [n] through the model with `cache`; return float32 logits of the last n_logits positions
         (all when None, none when 0)."""
         cache.begin(ids.shape[0])
-        return self.head(self.step(ids, cache, n_logits))
+        return self.head(self.step(ids, cache, n_logits)[0])
 
-    def step(self, ids: torch.Tensor, cache: AttentionCache, n_rows: int | None = None) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, cache: AttentionCache, n_rows: int | None = None, record: int = 0
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """forward after cache.begin, up to the final norm: the normed hidden states [n_rows, D] of the last n_rows
-        positions (all when None). Device work only, so a CUDA graph can capture it."""
+        positions (all when None), and per layer the group-summed rotated queries [Hkv, record, D] of the last
+        `record` positions (none when 0). Device work only, so a CUDA graph can capture it."""
+        ops = self.ops
         cos, sin = self.rotary.cos_sin(cache.positions(), self.dtype)
+        step = Step(cos, sin, cache, record)
         x = self.embed_tokens(ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i)
+            x = layer(x, step, i, ops)
         cache.end()
         if n_rows is not None:
             x = x[x.shape[0] - n_rows:]
-        return self.norm(x) if n_rows != 0 else x
+        return (self.norm(x, ops) if n_rows != 0 else x), step.queries
+
+    def causal_states(self, ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [B, T, D] of a plain causal forward over a batch ids [B, T], without a cache,
+        through PyTorch operators (differentiable: training)."""
+        cos, sin = self.rotary.cos_sin(torch.arange(ids.shape[-1], device=ids.device), self.dtype)
+        step = Step(cos, sin, None)
+        x = self.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, step, i, TORCH)
+        return self.norm(x, TORCH)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of normed hidden states."""

@@ -1,12 +1,21 @@
-"""Retrieval cache selection: chunk-mean keys, per layer and KV head top-k chunks by query . mean key."""
+"""Level 2's retrieval cache: chunk-mean keys, per layer and KV head the top-k chunks by query . mean key, gathered
+from the full cache, re-selected as a policy says."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+from core.events import RetrievalSelection
 from core.kvcache import CachePool, KVCache
+from core.levels import Level, common_prefix
+from core.ops import TORCH, TorchOps
+
+if TYPE_CHECKING:
+    from core.config import GenerationConfig
 
 
 @dataclass
@@ -64,18 +73,12 @@ def select_chunks(index: ChunkIndex, queries: torch.Tensor, n_select: int) -> to
     return scores.topk(n_select, dim=-1).indices.sort(dim=-1).values
 
 
-def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, into: KVCache) -> None:
+def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, into: KVCache,
+                     ops: TorchOps = TORCH) -> None:
     """Fill into's head slots with the selected chunks' keys/values, followed by the partial tail chunk."""
     cs = index.chunk_size
     n = chunk_ids.shape[-1] * cs
-    if full.kernels is not None:  # CUDA: one kernel copying whole chunks
-        full.kernels.gather_chunks(full.k, full.v, chunk_ids, cs, into.k, into.v)
-    else:
-        offsets = torch.arange(cs, device=chunk_ids.device)
-        tokens = (chunk_ids[..., None] * cs + offsets).flatten(2)  # [layers, kv_heads, n_select * cs]
-        idx = tokens[..., None].expand(-1, -1, -1, full.k.shape[-1])
-        torch.gather(full.k[:, :, :index.length], 2, idx, out=into.k[:, :, :n])
-        torch.gather(full.v[:, :, :index.length], 2, idx, out=into.v[:, :, :n])
+    ops.gather_chunks(full.k[:, :, :index.length], full.v[:, :, :index.length], chunk_ids, cs, into.k, into.v)
     tail = slice(index.length - index.tail, index.length)
     into.k[:, :, n:n + index.tail] = full.k[:, :, tail]
     into.v[:, :, n:n + index.tail] = full.v[:, :, tail]
@@ -95,3 +98,73 @@ def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int, p
                       lambda: KVCache(n_layers, n_kv, d, shape[2], full.k.dtype, full.k.device))
     cache.reset(head, index.length)
     return cache
+
+
+class SelectionPolicy(Protocol):
+    """When level 2's chunks are chosen again from the latest level-3 queries."""
+
+    def due(self, round_: int) -> bool:
+        """Whether to re-select after level-3 round `round_` (counting from 0)."""
+
+
+class Once:
+    """The reference code's rule: chunks chosen once, from the last prompt token's queries."""
+
+    def due(self, round_: int) -> bool:
+        return False
+
+
+class EveryVerify:
+    """Re-select after every level-3 verification."""
+
+    def due(self, round_: int) -> bool:
+        return True
+
+
+@dataclass
+class EveryN:
+    """Re-select after every n-th level-3 verification."""
+
+    n: int
+
+    def due(self, round_: int) -> bool:
+        return (round_ + 1) % self.n == 0
+
+
+SELECTION_POLICIES: dict[str, Callable[[], SelectionPolicy]] = {"once": Once, "every_verify": EveryVerify}
+
+
+def selection_policy(reselect: str | int) -> SelectionPolicy:
+    """The policy a `reselect` setting names: a registered name or a positive integer N (every N verifications)."""
+    return EveryN(reselect) if isinstance(reselect, int) else SELECTION_POLICIES[reselect]()
+
+
+class Retrieval:
+    """Level 2's cache: the selected prompt chunks plus every later token, re-selected by policy."""
+
+    def __init__(self, full: KVCache, cfg: GenerationConfig, ops: TorchOps = TORCH, pool: CachePool | None = None):
+        self.full, self.cfg, self.ops = full, cfg, ops
+        self.policy = selection_policy(cfg.reselect)
+        self.index = ChunkIndex.build(full, full.seq_len, cfg.chunk_size)
+        self.n_select = chunks_to_keep(self.index, cfg.budget)
+        self.cache = retrieval_cache(full, self.index, cfg.budget, cfg.max_new_tokens + cfg.gamma1 + cfg.gamma2 + 2,
+                                     pool)
+        self.synced = full.seq_len  # positions below this hold the full cache's keys/values
+
+    def select(self, queries: list[torch.Tensor], row: int, round_: int, position: int) -> RetrievalSelection:
+        """Pick chunks with the level-3 queries recorded at `row` (per layer [Hkv, rows, D]) and gather them."""
+        t0 = time.perf_counter()
+        ids = select_chunks(self.index, torch.stack([q[:, row] for q in queries]), self.n_select)
+        gather_selection(self.full, self.index, ids, self.cache, self.ops)
+        return RetrievalSelection(round_, position, self.cfg.chunk_size, self.index.num_chunks, self.index.length,
+                                  self.cfg.budget, ids.tolist(), time.perf_counter() - t0, self.cache.nbytes)
+
+    def sync(self, level2: Level, target: Level, seq: list[int], committed: int) -> None:
+        """Drop level 2's rejected tokens and give its kept ones the full cache's keys/values."""
+        valid = common_prefix(target.tokens, seq, committed, len(seq))
+        keep = common_prefix(level2.tokens, seq, self.synced, valid)
+        level2.cache.truncate(keep)
+        del level2.tokens[keep:]
+        if keep > self.synced:
+            self.cache.copy_positions(self.full, self.synced, keep)
+            self.synced = keep

@@ -81,7 +81,7 @@ def flash_reference(q, k, v, causal):
 
 def test_prefill_uses_flash_attn_when_installed(monkeypatch):
     """The optional flash-attn path (prefill on a GPU) hands it the right layout: same output as SDPA."""
-    import core.kvcache as kvcache
+    import core.ops as ops
     calls = []
 
     def fake_flash(q, k, v, causal):
@@ -91,8 +91,8 @@ def test_prefill_uses_flash_attn_when_installed(monkeypatch):
     q = torch.randn(6, 5, 16, generator=g, dtype=torch.bfloat16)
     k = torch.randn(2, 12, 16, generator=g, dtype=torch.bfloat16)
     v = torch.randn(2, 12, 16, generator=g, dtype=torch.bfloat16)
-    want = kvcache.attention(q, k, v, past=7)
-    monkeypatch.setattr(kvcache, "flash_attention", lambda q: fake_flash)
-    got = kvcache.attention(q, k, v, past=7)
+    want = ops.attention(q, k, v, past=7)
+    monkeypatch.setattr(ops, "flash_attention", lambda q: fake_flash)
+    got = ops.attention(q, k, v, past=7)
     assert calls == [(1, 5, 6, 16)]
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -10,23 +10,13 @@ LAYERS, HQ, HKV, D = 3, 6, 2, 8
 
 
 def filled_cache(length: int, seed: int) -> tuple[KVCache, torch.Tensor]:
-    """A full cache holding `length` random tokens, then one more token whose raw queries [L, Hq, D] are returned
-    (recorded by the cache, summed over each GQA group)."""
+    """A full cache holding `length` random tokens, and the raw queries [L, Hq, D] of a next token."""
     g = torch.Generator().manual_seed(seed)
     cache = KVCache(LAYERS, HKV, D, length + 1, torch.float32, "cpu")
-    cache.begin(length)
-    for layer in range(LAYERS):
-        cache.store_and_attend(layer, torch.randn(HQ, length, D, generator=g),
-                               torch.randn(HKV, length, D, generator=g), torch.randn(HKV, length, D, generator=g))
-    cache.end()
-    cache.record_rows = 1
-    q = torch.randn(LAYERS, HQ, 1, D, generator=g)
-    cache.begin(1)
-    for layer in range(LAYERS):
-        cache.store_and_attend(layer, q[layer], torch.randn(HKV, 1, D, generator=g),
-                               torch.randn(HKV, 1, D, generator=g))
-    cache.end()
-    return cache, q[:, :, 0]
+    cache.k[:, :, :length] = torch.randn(LAYERS, HKV, length, D, generator=g)
+    cache.v[:, :, :length] = torch.randn(LAYERS, HKV, length, D, generator=g)
+    cache.used = length
+    return cache, torch.randn(LAYERS, HQ, D, generator=g)
 
 
 def brute_force(cache: KVCache, q: torch.Tensor, length: int, cs: int, n_select: int) -> list:
@@ -53,8 +43,7 @@ def test_selection_matches_brute_force(length, cs, budget):
     assert index.num_chunks == length // cs and index.tail == length % cs
     n_select = chunks_to_keep(index, budget)
     assert n_select == min(budget // cs, length // cs)
-    recorded = torch.stack([r[:, -1] for r in cache.queries])
-    ids = select_chunks(index, recorded, n_select)
+    ids = select_chunks(index, q.view(LAYERS, HKV, HQ // HKV, D).sum(2), n_select)  # a GQA group's summed queries
     assert ids.tolist() == brute_force(cache, q, length, cs, n_select)
 
     retrieval = retrieval_cache(cache, index, budget, extra=4)
@@ -77,12 +66,11 @@ def test_budget_covering_prompt_equals_full_attention():
     a = model.args
     full = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, 80, torch.float32, "cpu")
     target = Level(model, full, [])
-    full.record_rows = 1
     with torch.no_grad():
-        list(target.prefill(prompt[:-1], 16))
+        list(target.prefill(prompt[:-1], 16, record=1))
         index = ChunkIndex.build(full, len(prompt) - 1, 8)
         retrieval = retrieval_cache(full, index, 4096, extra=8)
-        ids = select_chunks(index, torch.stack([q[:, -1] for q in full.queries]), chunks_to_keep(index, 4096))
+        ids = select_chunks(index, torch.stack([q[:, -1] for q in target.queries]), chunks_to_keep(index, 4096))
         gather_selection(full, index, ids, retrieval)
         level2 = Level(model, retrieval, prompt[:-1])
         seq = prompt + [5, 7, 9]

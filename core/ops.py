@@ -1,0 +1,189 @@
+"""The one place that chooses how a model computes on its device: plain PyTorch operators (any device, autograd,
+the reference) or, on CUDA, Triton kernels for decode steps. A model holds one Ops (`Transformer.ops`); its caches
+only store keys and values."""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+if TYPE_CHECKING:
+    from core.kvcache import KVCache
+
+DECODE_TOKENS = 16  # a forward of at most this many new tokens is a decode step (folded / device-side attention)
+
+
+@functools.cache
+def flash_attn_func() -> Callable | None:
+    """flash_attn.flash_attn_func when the optional flash-attn package imports, else None."""
+    try:
+        from flash_attn import flash_attn_func as func
+    except ImportError:
+        return None
+    return func
+
+
+def flash_attention(q: torch.Tensor) -> Callable | None:
+    """flash-attn's kernel for a multi-token (prefill) step when it is installed and fits q, else None (SDPA)."""
+    fits = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    return flash_attn_func() if fits else None
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to x [..., n, head_dim] with cos/sin [n, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """Causal GQA attention of n new queries [Hq, n, D] over keys [Hkv, past + n, D] (4-D for SDPA's fast paths)."""
+    hq, n, d = q.shape
+    hkv = k.shape[0]
+    if n > 1 and (flash := flash_attention(q)):  # [1, tokens, heads, D] views; bottom-right causal
+        return flash(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                     causal=True)[0].transpose(0, 1)
+    if n <= DECODE_TOKENS:  # a decode step: the group's heads x new tokens become rows of one KV head (no K/V copies)
+        group = hq // hkv
+        mask = None if n == 1 else \
+            torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past).repeat(group, 1)
+        out = F.scaled_dot_product_attention(q.reshape(1, hkv, group * n, d), k[None], v[None], attn_mask=mask)
+        return out.view(hq, n, d)
+    gqa = hq != hkv
+    if past == 0:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=gqa)[0]
+    if q.is_cuda:  # bottom-right causal without a materialised mask: flash / cuDNN / efficient backends
+        bias = causal_lower_right(n, past + n)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, enable_gqa=gqa)[0]
+    mask = torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=gqa)[0]
+
+
+class TorchOps:
+    """PyTorch operators: any device, differentiable, and the reference the kernels are checked against."""
+
+    name = "torch"
+    device_steps = False  # whether decode steps read lengths from device memory (CUDA-graph safe)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * x / rms(x), computed in float32, rounded to x's dtype before the weight."""
+        dtype = x.dtype
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+    def rope_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE of x [..., n, heads, D], returned head-major [..., heads, n, D]."""
+        return rotate(x.transpose(-3, -2), cos, sin)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + x @ weight.T (+ bias); in place (the add rides in the GEMM) when no gradient needs residual."""
+        if bias is not None or residual.requires_grad or residual.dim() != 2:
+            return residual + F.linear(x, weight, bias)
+        return residual.addmm_(x, weight.t())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU activation of [..., 2I] (gate first)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q, k [n, heads, D], store k and v in the cache's layer at its next slots, attend causally over the
+        layer's stored keys. Returns the output and the rotated queries, both [Hq, n, D]."""
+        q, k = self.rope_heads(q, cos, sin), self.rope_heads(k, cos, sin)
+        keys, values = cache.layer(layer)
+        s, n = cache.used, q.shape[1]
+        keys[:, s:s + n] = k
+        values[:, s:s + n] = v.transpose(0, 1)
+        out = attention(q, keys[:, :s + n], values[:, :s + n], s)
+        cache.attended(layer)
+        return out, q
+
+    def gather_chunks(self, k: torch.Tensor, v: torch.Tensor, chunk_ids: torch.Tensor, chunk_size: int,
+                      k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """k_out/v_out[l, h, j*cs:(j+1)*cs] = k/v[l, h, id*cs:(id+1)*cs] for id = chunk_ids[l, h, j]."""
+        n = chunk_ids.shape[-1] * chunk_size
+        offsets = torch.arange(chunk_size, device=chunk_ids.device)
+        tokens = (chunk_ids[..., None] * chunk_size + offsets).flatten(2)  # [layers, kv_heads, n_select * cs]
+        idx = tokens[..., None].expand(-1, -1, -1, k.shape[-1])
+        torch.gather(k, 2, idx, out=k_out[:, :, :n])
+        torch.gather(v, 2, idx, out=v_out[:, :, :n])
+
+
+class TritonOps(TorchOps):
+    """CUDA decode steps through Triton kernels: split-K attention over the cache in place (lengths read from device
+    memory), fused RoPE + store, RMSNorm, SwiGLU, a GEMV that adds into the residual, and a chunk gather. Longer
+    inputs (prefill) keep cuBLAS and SDPA."""
+
+    name = "triton"
+    device_steps = True
+
+    def __init__(self, kernels: ModuleType, gemv: bool = True):
+        self.k = kernels
+        self.gemv = gemv  # False: cuBLAS projections (TRIFORCE_GEMV=0), to compare
+
+    def _gemv(self, x: torch.Tensor) -> bool:
+        return self.gemv and x.dim() == 2 and x.shape[0] <= self.k.GEMV_ROWS
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.k.rms_norm(x, weight, eps)
+
+    def rope_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.k.rope(x, cos, sin) if x.dim() == 3 else super().rope_heads(x, cos, sin)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.k.gemv(x, weight, bias) if self._gemv(x) else F.linear(x, weight, bias)
+
+    def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._gemv(x):
+            return self.k.gemv(x, weight, bias, add_to=residual)
+        return super().linear_add(residual, x, weight, bias)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.k.silu_mul(gate_up) if gate_up.dim() == 2 else super().silu_mul(gate_up)
+
+    def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step: one kernel rotates q and k and stores k, v at the slots in cache.meta; split-K attention
+        reads the layer in place. Longer inputs: the PyTorch path."""
+        if q.shape[0] > self.k.MAX_QUERIES:
+            return super().attend(cache, layer, q, k, v, cos, sin)
+        keys, values = cache.layer(layer)
+        q = self.k.rope_store(q, k, v, cos, sin, keys, values, cache.meta)
+        out = self.k.decode_attention(q, keys, values, cache.meta)
+        cache.attended(layer)
+        return out, q
+
+    def gather_chunks(self, k: torch.Tensor, v: torch.Tensor, chunk_ids: torch.Tensor, chunk_size: int,
+                      k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        self.k.gather_chunks(k, v, chunk_ids, chunk_size, k_out, v_out)
+
+
+TORCH = TorchOps()
+
+
+def ops_for(device: torch.device | str) -> TorchOps:
+    """Triton kernels on a CUDA device where Triton imports, PyTorch operators elsewhere."""
+    return _ops_for(torch.device(device).type)
+
+
+@functools.cache
+def _ops_for(device_type: str) -> TorchOps:
+    if device_type != "cuda":
+        return TORCH
+    try:
+        from core import kernels
+    except ImportError:
+        return TORCH
+    return TritonOps(kernels, gemv=os.environ.get("TRIFORCE_GEMV", "1") != "0")
