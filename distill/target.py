@@ -16,7 +16,7 @@ def load_hf(source, dev):
 
 
 def as_transformer(hf):
-    """The same weights as a frozen core.model.Transformer (for hidden_states and the shared draft layers)."""
+    """The same weights as a frozen core.model.Transformer (its causal_states and the shared draft layers)."""
     from core.model import Transformer
     with torch.device("meta"):
         target = Transformer(hf.config)

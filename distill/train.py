@@ -14,44 +14,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from distill.answers import SETTINGS, generate_answers, read_answers, save_answers
 from core.draftdir import WEIGHTS_FILE, write_draft
+from distill.answers import SETTINGS, generate_answers, read_answers, save_answers
 from distill.data import load_head_ids, load_prompts
 from distill.draft import add_fusion, ages, make_draft, own_parameters, resumed
 from distill.target import as_transformer, load_hf
-
-
-def _norm(x: torch.Tensor, norm) -> torch.Tensor:
-    xf = x.float()
-    return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
-    """Final-normed hidden states [B, T, D] of a core.model.Transformer over a batch ids [B, T] (plain causal).
-    Written with the weights alone (differentiable, independent of the inference paths and their GPU kernels)."""
-    b, t = ids.shape
-    a = model.args
-    cos, sin = model.rotary.cos_sin(torch.arange(t, device=ids.device), model.dtype)
-    x = F.embedding(ids, model.embed_tokens.weight)
-    for blk in model.layers:
-        h, at, mlp = _norm(x, blk.input_layernorm), blk.self_attn, blk.mlp
-        q = F.linear(h, at.q_proj.weight, at.q_proj.bias).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)
-        k = F.linear(h, at.k_proj.weight, at.k_proj.bias).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        v = F.linear(h, at.v_proj.weight, at.v_proj.bias).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        if a.qk_norm:
-            q, k = _norm(q, at.q_norm), _norm(k, at.k_norm)
-        q, k = _rope(q, cos, sin).to(v.dtype), _rope(k, cos, sin).to(v.dtype)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=a.n_heads != a.n_kv_heads)
-        x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), at.o_proj.weight)
-        h = _norm(x, blk.post_attention_layernorm)
-        x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
-                         mlp.down_proj.weight)
-    return _norm(x, model.norm)
 
 
 def sample_windows(seqs, rng, per_seq, sink, window, answer_share):
@@ -100,7 +67,7 @@ def soft_labels(target, head_ids, batch, temps, ages=0) -> tuple[torch.Tensor, t
     1..ages positions before each window position [ages, W, window, D] (what a fusion draft is given)."""
     tgt, _, trow, tpos, _ = batch
     with torch.no_grad():
-        hidden = hidden_states(target, tgt)
+        hidden = target.causal_states(tgt)
         logits = (hidden[trow[:, None], tpos] @ target.lm_head.weight.T).float()
         lp = torch.stack([(logits / t)[..., head_ids] - torch.logsumexp(logits / t, -1, keepdim=True) for t in temps])
         feats = torch.stack([hidden[trow[:, None], (tpos - a).clamp_min(0)] for a in range(1, ages + 1)]) \
@@ -117,7 +84,7 @@ def distil_loss(draft, head_ids, batch, labels, temps, sink):
     lp, top, feats = labels
     m = valid.float()
     with torch.autocast("cuda", torch.bfloat16, enabled=dids.is_cuda):
-        h = hidden_states(draft, dids)[:, sink:]
+        h = draft.causal_states(dids)[:, sink:]
         variants = {"": h}
         if draft.fusion is not None:
             variants.update({f"_age{a}": draft.fusion(h, feats[a - 1], a) for a in range(1, len(feats) + 1)})
