@@ -45,7 +45,7 @@ def test_greedy_triforce_with_the_draft_equals_ar(embedded):
     doc = DOC.read_text()[:3000]
     common = dict(greedy=True, max_new_tokens=24, budget=256, gamma1=2, gamma2=6)
     runs, provenance = {}, {}
-    for method, drafter in (("ar", None), ("triforce", "model")):
+    for method, drafter in (("ar", "auto"), ("triforce", "model")):
         cfg = GenerationConfig(method=method, drafter=drafter, **common)
         events = list(embedded.generate(doc, "Quote the first sentence of the document.", cfg))
         runs[method] = next(e for e in events if isinstance(e, Finished))
