@@ -178,6 +178,7 @@ def _prompts_from(texts, tok, n, min_doc, max_doc, rng, instructions_for, split)
 
 
 def prepare(args) -> None:
+    """The prepare stage: prompts.npz, the head ids and sources.json in args.out."""
     from safetensors.torch import save_file
 
     from core.loading import load_tokenizer

@@ -106,6 +106,7 @@ def distil_loss(draft, head_ids, batch, labels, temps, sink):
 
 
 def train(args) -> None:
+    """The train stage: distil a draft and write its directory (core.draftdir) and training.json to args.out."""
     from core.loading import vocab_digest
     t_start = time.time()
     torch.manual_seed(args.seed)
