@@ -275,7 +275,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, args.head_dim)
         self.vocab_ids: torch.Tensor | None = None  # the token ids lm_head scores when it covers only some of them
-        self.fusion: Fusion | None = None  # a draft's late fusion of the target's hidden states (core.distill)
+        self.fusion: Fusion | None = None  # a draft's late fusion of the target's hidden states (distill)
         self._ops: TorchOps | None = None
 
     @property
