@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Iterator
 
@@ -19,7 +20,8 @@ from core import Engine, GenerationConfig
 
 from app.presets import Preset
 
-_STEP_LOCK = threading.Lock()  # one engine step at a time, even while a cancelled run's last step finishes
+_RUN_LOCK = threading.Lock()  # one generation at a time, even while a cancelled run's last step finishes
+_DONE = object()  # the end of a generation's event queue
 _loaded: dict[tuple[str | None, str | None], dict] = {}
 
 
@@ -69,15 +71,31 @@ def _event_dicts(target: str | None, draft: str | None, document: str, instructi
 
 
 def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig) -> Iterator[dict]:
-    """Event dicts of one generation, stepping the engine under a process-wide lock."""
-    events = _event_dicts(preset.target, preset.draft, document, instruction, config.to_dict())
-    try:
-        while True:
-            with _STEP_LOCK:
-                event = next(events, None)
-            if event is None:
-                return
-            yield event
-    finally:
-        events.close()
+    """Event dicts of one generation. The engine runs in a thread of its own and hands events over through a queue,
+    so rendering them never holds decoding up (a generator's consumer would otherwise be timed as decoding); one
+    generation at a time, and a closed stream (Stop) ends its generation at the next event."""
+    events: queue.Queue = queue.Queue()
+    stop = threading.Event()
 
+    def run() -> None:
+        with _RUN_LOCK:
+            generation = _event_dicts(preset.target, preset.draft, document, instruction, config.to_dict())
+            try:
+                for event in generation:
+                    if stop.is_set():
+                        break
+                    events.put(event)
+            except Exception as err:  # handed to the consumer, which raises it where the UI can report it
+                events.put(err)
+            finally:
+                generation.close()
+                events.put(_DONE)
+
+    threading.Thread(target=run, name="triforce-generation", daemon=True).start()
+    try:
+        while (item := events.get()) is not _DONE:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        stop.set()
