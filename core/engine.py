@@ -15,7 +15,7 @@ from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.drafters import DraftContext, Drafter, make_drafter
 from core.events import Acceptance, Event, Finished, Loading, PrefillProgress, PromptReady, Stats
-from core.kvcache import CachePool, KVCache
+from core.kvcache import CachePool, KVCache, reusable
 from core.levels import Level
 from core.loading import default_device, default_draft, default_dtype, load_draft, load_model
 from core.model import Transformer
@@ -109,6 +109,10 @@ class Engine:
         return self._run(prompt, cfg)
 
     def _run(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
+        """The events of one run; when it ends, the pool keeps only the caches it used."""
+        return self.pool.during(self._events(prompt, cfg))
+
+    def _events(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
         cfg = cfg.resolved(offloaded=False)
         ids = prompt.ids
         cs = cfg.chunk_size
@@ -116,7 +120,6 @@ class Engine:
                           cfg.max_new_tokens, cs,
                           [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)])
         model = self.target
-        self.pool.release()
         target = Level(model, self._full_cache(ids, cfg), [], self.graphs)
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         t0 = time.perf_counter()
@@ -153,10 +156,11 @@ class Engine:
         yield Finished(out.text, out.ids, ids, stats)
 
     def _full_cache(self, ids: list[int], cfg: GenerationConfig) -> KVCache:
-        """A full cache with room for the prompt and the answer; the previous run's if it fits."""
+        """A full cache with room for the prompt and the answer; the previous run's if it fits (and is not more than
+        twice the size: a larger one is given back)."""
         a = self.target.args
         need = len(ids) + cfg.max_new_tokens + cfg.gamma2 + 2
-        if self._prefilled and self._prefilled[1].capacity >= need:
+        if self._prefilled and reusable(self._prefilled[1].capacity, need):
             return self._prefilled[1]
         self._prefilled = None
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, need, self.target.dtype, self.target.device)
