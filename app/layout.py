@@ -141,7 +141,8 @@ def build_demo() -> gr.Blocks:
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document")
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")
-        describe = dict(fn=callbacks.describe_document, inputs=[document, preset_name, budget], outputs=doc_info,
+        describe = dict(fn=callbacks.describe_document, inputs=[document, preset_name, budget, instruction,
+                                                                max_new_tokens], outputs=doc_info,
                         show_progress="hidden", trigger_mode="always_last", concurrency_limit=None)
         document.change(api_name="describe_document", **describe)
         budget.change(api_visibility="private", **describe)

@@ -20,7 +20,7 @@ from core.levels import Level
 from core.loading import default_device, default_draft, default_dtype, load_draft, load_model
 from core.model import Transformer
 from core.output import Output
-from core.prompting import build_prompt
+from core.prompting import build_prompt, plain_ids
 from core.triforce import TriForce
 
 _LOADED: dict[tuple, "Engine"] = {}
@@ -92,7 +92,8 @@ class Engine:
         return engine
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Tokens of user text, tokenised as a prompt holds it (special-token strings as plain text)."""
+        return len(plain_ids(self.tokenizer, text))
 
     def drafter(self, cfg: GenerationConfig, prompt: list[int], generator: torch.Generator) -> Drafter:
         """The level-1 drafter cfg.drafter names, for this prompt."""

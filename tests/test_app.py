@@ -227,8 +227,30 @@ def test_heatmap_without_retrieval_says_why() -> None:
 def test_stats_and_status_mention_truncation() -> None:
     state = RunState()
     apply_event(state, prompt_event(4, dropped=1234))
-    assert "1,234 document tokens were dropped" in status_markdown(state)
+    assert "middle 1,234 tokens were dropped" in status_markdown(state)
     assert "tokens dropped (truncated) | 1234" in stats_markdown(live_stats(state))
+
+
+def test_a_budget_over_the_prompt_reads_whole_prompt() -> None:
+    state = RunState()
+    state.prompt_tokens, state.budget = 100, 140
+    assert live_stats(state)["budget_pct_of_context"] == 100.0
+    assert "| budget / prompt | 100 % (whole prompt) |" in stats_markdown(live_stats(state))
+
+
+def test_document_line_counts_what_the_run_drops() -> None:
+    from core import GenerationConfig
+    from core.events import PromptReady
+
+    long_doc = (ROOT / "assets" / "docs" / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    engine = callbacks.load_engine(None, None)
+    events = engine.generate(long_doc, "Who is Mr Darcy?", GenerationConfig(max_new_tokens=64))
+    ready = next(events)
+    events.close()
+    assert isinstance(ready, PromptReady) and ready.dropped_tokens > 100_000
+    line = callbacks.describe_document(long_doc, EMBEDDED, 4096, "Who is Mr Darcy?", 64)
+    assert f"drops the middle {ready.dropped_tokens:,} tokens" in line and "64 answer tokens" in line
+    assert "= the whole document" in callbacks.describe_document("A short note.", EMBEDDED, 4096)
 
 
 def test_comparison_summary_checks_token_identity() -> None:
