@@ -13,6 +13,7 @@ from app.settings import DRAFTERS, OVERFLOW_POLICIES, RESELECT_POLICIES
 from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
 from core import GenerationConfig
 
+UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
 #answer, #compare-ar, #compare-tf {min-height: 8rem}
@@ -37,7 +38,7 @@ def build_demo() -> gr.Blocks:
     first_instructions = list(first.instructions) if first and first.instructions else \
         list(callbacks.GENERIC_INSTRUCTIONS)
     preset = default_preset()
-    with gr.Blocks(title="TriForce Studio") as demo:
+    with gr.Blocks(title="TriForce Studio", delete_cache=UPLOAD_CACHE) as demo:
         gr.Markdown(HEADER)
         with gr.Tabs():
             with gr.Tab("TriForce", id="triforce"):
