@@ -136,6 +136,8 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("## Models, device and versions")
                 engines = gr.Markdown(elem_id="engines")
 
+        # The generation buttons take raw values (preprocess=False): build_config parses and explains bad settings,
+        # where a component's own preprocessing would fail as a bare "Error".
         settings = [preset_name, max_new_tokens, budget, chunk_size, gamma1, gamma2, drafter, reselect,
                     reselect_every, temperature, top_p, seed, greedy, overflow, draft_confidence,
                     lookup_min, draft_fusion]
@@ -152,7 +154,7 @@ def build_demo() -> gr.Blocks:
 
         run_event = run.click(callbacks.run_triforce, [document, instruction, *settings, heatmap_mode],
                               [status, answer, heatmap, doc_view, stats, stats_json, run_state], api_name="triforce",
-                              concurrency_id=GPU_QUEUE, concurrency_limit=1)
+                              concurrency_id=GPU_QUEUE, concurrency_limit=1, preprocess=False)
         stop.click(callbacks.stopped, None, status, cancels=[run_event], api_name="stop", concurrency_limit=None)
         heatmap_mode.change(callbacks.redraw_heatmap, [run_state, heatmap_mode], heatmap, api_visibility="private",
                             concurrency_limit=None)
@@ -160,7 +162,7 @@ def build_demo() -> gr.Blocks:
         compare_event = compare_run.click(callbacks.run_compare, [document, instruction, *settings],
                                           [compare_status, ar_answer, tf_answer, ar_stats, tf_stats, bars, verdict,
                                            compare_json], api_name="compare", concurrency_id=GPU_QUEUE,
-                                          concurrency_limit=1)
+                                          concurrency_limit=1, preprocess=False)
         compare_stop.click(callbacks.stopped, None, compare_status, cancels=[compare_event], api_name="stop_compare",
                            concurrency_limit=None)
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")

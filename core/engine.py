@@ -17,7 +17,7 @@ from core.drafters import DraftContext, Drafter, make_drafter
 from core.events import Acceptance, Event, Finished, Loading, PrefillProgress, PromptReady, Stats
 from core.kvcache import CachePool, KVCache, reusable
 from core.levels import Level
-from core.loading import default_device, default_draft, default_dtype, load_draft, load_model
+from core.loading import default_draft, device_and_dtype, load_draft, load_model
 from core.model import Transformer
 from core.output import Output
 from core.prompting import build_prompt, plain_ids
@@ -63,8 +63,7 @@ class Engine:
         key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs)
         if key in _LOADED:
             return _LOADED[key]
-        dev = torch.device(device) if device else default_device()
-        dt = getattr(torch, dtype) if dtype else default_dtype(dev)
+        dev, dt = device_and_dtype(device, dtype)
         if progress:
             progress(Loading("target", 0.0))
         model, tok, src = load_model(target, dev, dt, rope_scaling)
