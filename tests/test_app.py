@@ -219,6 +219,23 @@ def test_heatmap_bins_long_documents_and_hovers_with_snippets() -> None:
     assert len(json.dumps(figure)) < 600_000
 
 
+def test_heatmap_hover_shows_document_markup_as_text() -> None:
+    from app.figures import column_labels
+
+    state = RunState()
+    apply_event(state, {**prompt_event(2), "chunk_texts": ["<b>bold</b> & ", "<a href='x'>link</a>"]})
+    apply_event(state, selection_event(2, [[[0, 1]]]))
+    labels = column_labels(state)
+    assert "“&lt;b&gt;bold&lt;/b&gt; &amp;”" in labels[0] and "“&lt;a href=&#x27;x&#x27;&gt;link" in labels[1]
+    assert "<" not in "".join(labels)
+
+
+def test_upload_cache_is_cleaned() -> None:
+    from app.layout import UPLOAD_CACHE, build_demo
+
+    assert build_demo().delete_cache == UPLOAD_CACHE and UPLOAD_CACHE[1] <= 86400
+
+
 def test_heatmap_without_retrieval_says_why() -> None:
     figure = selection_heatmap(RunState(method="ar"))
     assert "no retrieval" in figure.layout.annotations[0].text
