@@ -1,8 +1,11 @@
-"""Memory policy: caches are sized by what a run needs (the budget capped at the prompt), and when a run ends the
-engine keeps only the caches that run used, so memory after many runs of varied sizes stays at one run's."""
+"""Work and memory bounded by what a run needs: caches sized by the budget capped at the prompt, only the caches the
+last run used kept when it ends (memory after many runs of varied sizes stays at one run's), level 2 drafting no more
+than the answer still wants."""
 
+import pytest
 import torch
 
+import core.triforce
 from core.config import GenerationConfig
 from core.engine import Engine
 from core.events import Finished, Tokens
@@ -78,3 +81,23 @@ def test_same_sized_caches_are_reused_and_a_closed_run_is_trimmed():
     events.close()  # stopped mid-run: the caches it used are kept (the draft's again), the smaller retrieval one not
     assert not engine.pool.taken and len(engine.pool.caches) == 2
     assert len(set(kept) & {id(c) for c in engine.pool.caches}) == 1
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_level2_drafts_no_more_than_the_answer_wants(monkeypatch, drafter):
+    levels = []
+
+    class Counted(core.triforce.Level):  # level 2, remembered to count its forwards
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            levels.append(self)
+
+    monkeypatch.setattr(core.triforce, "Level", Counted)
+    engine = tiny_engine()
+    for max_new in (1, 2, 5):
+        levels.clear()
+        finished = run(engine, 64, budget=32, gamma2=32, max_new_tokens=max_new, drafter=drafter)
+        assert finished.stats.new_tokens == max_new
+        # each round drafts at most what is still wanted: max_new, then fewer
+        assert levels[0].forwards <= max_new * (max_new + 1) // 2
+        assert finished.stats.level2_proposed <= max_new * (max_new + 1) // 2
