@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import gradio as gr
 
 from core import GenerationConfig, TriForceError
+from core.prompting import document_fit
 
 from app.documents import DocumentError, load_samples, read_document
 from app.figures import HEATMAP_MODES, compare_bars, empty_figure, selection_heatmap
@@ -68,20 +69,29 @@ def preset_budget(preset_name: str) -> int:
     return preset_by_name(preset_name).budget
 
 
-def describe_document(document: str, preset_name: str, budget: float | None) -> str:
-    """Token count of the document against the model's context and the retrieval budget."""
+def describe_document(document: str, preset_name: str, budget: float | None, instruction: str = "",
+                      max_new_tokens: float | None = None) -> str:
+    """Token count of the document against the room a run leaves it (the context less the template, the question
+    and the answer), what a run drops, and the retrieval budget."""
     if not document or not document.strip():
         return "No document yet: pick a sample, upload a file or paste text."
+    answer = int(max_new_tokens) if isinstance(max_new_tokens, (int, float)) and 1 <= max_new_tokens <= 1 << 20 \
+        else GenerationConfig.max_new_tokens
     try:
         engine, exact = counting_engine(preset_by_name(preset_name))
-    except (ModelLoadError, ValueError) as err:
+        fit = document_fit(engine.tokenizer, document, instruction or "", engine.context_length, answer)
+    except (ModelLoadError, ValueError) as err:  # TriForceError is a ValueError
         return f"⚠️ {err}"
-    tokens, context = engine.count_tokens(document), engine.context_length
     approx = "" if exact else " (approximate: counted with the embedded tokenizer until this preset is loaded)"
-    fit = "fits the context" if tokens < context else f"**longer than the context by {tokens - context:,} tokens**"
-    line = f"**Document:** {tokens:,} tokens{approx} · model context {context:,} → {fit}"
+    fate = (f"**longer than the context: a run drops the middle {fit.dropped:,} tokens** (or refuses, as set)"
+            if fit.overflows else "fits the context")
+    line = (f"**Document:** {'' if fit.exact else 'about '}{fit.document_tokens:,} tokens{approx} · model context "
+            f"{engine.context_length:,}, {fit.room:,} left for the document beside the template, the question and "
+            f"{answer:,} answer tokens → {fate}")
     if budget:
-        line += f" · budget {int(budget):,} tokens = {100 * budget / max(tokens, 1):.1f} % of the document"
+        kept = min(fit.document_tokens, fit.room)
+        share = "the whole document" if budget >= kept else f"{100 * budget / kept:.1f} % of the document"
+        line += f" · budget {int(budget):,} tokens = {share}"
     return line
 
 
@@ -118,7 +128,7 @@ def _stream(preset: Preset, document: str, instruction: str, config: GenerationC
                 progress(event["done"] / max(event["total"], 1), desc="Prefill", total=event["total"], unit="tokens")
             elif kind == "PromptReady" and event["dropped_tokens"]:
                 gr.Warning(f"The document is longer than the context ({event['context_length']:,} tokens): "
-                           f"{event['dropped_tokens']:,} tokens were dropped.")
+                           f"its middle {event['dropped_tokens']:,} tokens were dropped (beginning and end kept).")
             yield kind
     except (TriForceError, ModelLoadError) as err:
         raise gr.Error(str(err), title="Cannot generate") from None

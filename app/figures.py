@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -30,12 +32,13 @@ def empty_figure(message: str) -> go.Figure:
 
 
 def column_labels(state: RunState) -> list[str]:
-    """Hover label of each heatmap column: chunk range, token range and a text snippet (unique per column)."""
+    """Hover label of each heatmap column: chunk range, token range and a text snippet (unique per column; escaped,
+    as Plotly renders markup in hover text)."""
     edges, cs = state.edges, max(state.chunk_size, 1)
     labels = []
     for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
         first, last = a * cs, min(b * cs, state.prompt_tokens or b * cs) - 1
-        snippet = " ".join("".join(state.chunk_texts[a:min(b, a + 16)]).split())[:SNIPPET_CHARS]
+        snippet = html.escape(" ".join("".join(state.chunk_texts[a:min(b, a + 16)]).split())[:SNIPPET_CHARS])
         chunks = f"chunk {a}" if b - a == 1 else f"chunks {a}–{b - 1}"
         labels.append(f"{chunks} · tokens {first}–{last} · “{snippet}”")
     return labels

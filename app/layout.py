@@ -13,6 +13,7 @@ from app.settings import DRAFTERS, OVERFLOW_POLICIES, RESELECT_POLICIES
 from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
 from core import GenerationConfig
 
+UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
 #answer, #compare-ar, #compare-tf {min-height: 8rem}
@@ -37,7 +38,7 @@ def build_demo() -> gr.Blocks:
     first_instructions = list(first.instructions) if first and first.instructions else \
         list(callbacks.GENERIC_INSTRUCTIONS)
     preset = default_preset()
-    with gr.Blocks(title="TriForce Studio") as demo:
+    with gr.Blocks(title="TriForce Studio", delete_cache=UPLOAD_CACHE) as demo:
         gr.Markdown(HEADER)
         with gr.Tabs():
             with gr.Tab("TriForce", id="triforce"):
@@ -135,13 +136,16 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("## Models, device and versions")
                 engines = gr.Markdown(elem_id="engines")
 
+        # The generation buttons take raw values (preprocess=False): build_config parses and explains bad settings,
+        # where a component's own preprocessing would fail as a bare "Error".
         settings = [preset_name, max_new_tokens, budget, chunk_size, gamma1, gamma2, drafter, reselect,
                     reselect_every, temperature, top_p, seed, greedy, overflow, draft_confidence,
                     lookup_min, draft_fusion]
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document")
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")
-        describe = dict(fn=callbacks.describe_document, inputs=[document, preset_name, budget], outputs=doc_info,
+        describe = dict(fn=callbacks.describe_document, inputs=[document, preset_name, budget, instruction,
+                                                                max_new_tokens], outputs=doc_info,
                         show_progress="hidden", trigger_mode="always_last", concurrency_limit=None)
         document.change(api_name="describe_document", **describe)
         budget.change(api_visibility="private", **describe)
@@ -150,7 +154,7 @@ def build_demo() -> gr.Blocks:
 
         run_event = run.click(callbacks.run_triforce, [document, instruction, *settings, heatmap_mode],
                               [status, answer, heatmap, doc_view, stats, stats_json, run_state], api_name="triforce",
-                              concurrency_id=GPU_QUEUE, concurrency_limit=1)
+                              concurrency_id=GPU_QUEUE, concurrency_limit=1, preprocess=False)
         stop.click(callbacks.stopped, None, status, cancels=[run_event], api_name="stop", concurrency_limit=None)
         heatmap_mode.change(callbacks.redraw_heatmap, [run_state, heatmap_mode], heatmap, api_visibility="private",
                             concurrency_limit=None)
@@ -158,7 +162,7 @@ def build_demo() -> gr.Blocks:
         compare_event = compare_run.click(callbacks.run_compare, [document, instruction, *settings],
                                           [compare_status, ar_answer, tf_answer, ar_stats, tf_stats, bars, verdict,
                                            compare_json], api_name="compare", concurrency_id=GPU_QUEUE,
-                                          concurrency_limit=1)
+                                          concurrency_limit=1, preprocess=False)
         compare_stop.click(callbacks.stopped, None, compare_status, cancels=[compare_event], api_name="stop_compare",
                            concurrency_limit=None)
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")

@@ -160,7 +160,8 @@ def apply_event(state: RunState, ev: dict, now: float | None = None) -> RunState
 def live_stats(state: RunState, now: float | None = None) -> dict:
     """Headline figures: the engine's final Stats when finished, else estimates from events so far."""
     now = time.monotonic() if now is None else now
-    budget_pct = 100.0 * state.budget / state.prompt_tokens if state.prompt_tokens and state.budget else None
+    budget_pct = min(100.0, 100.0 * state.budget / state.prompt_tokens) if state.prompt_tokens and state.budget \
+        else None  # a budget over the prompt keeps the whole prompt
     if state.final_stats is not None:
         s = state.final_stats
         return {"method": s.get("method", state.method), "new_tokens": s.get("new_tokens", len(state.token_ids)),

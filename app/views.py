@@ -78,7 +78,8 @@ def stats_markdown(stats: dict) -> str:
         ("level-1 acceptance (by level 2)", _fmt(stats.get("level1_acceptance"), "{:.0%}")),
         ("level-2 acceptance (by level 3)", _fmt(stats.get("level2_acceptance"), "{:.0%}")),
         ("tokens per target forward", _fmt(stats.get("tokens_per_target_forward"), "{:.2f}")),
-        ("budget / prompt", _fmt(stats.get("budget_pct_of_context"), "{:.1f} %")),
+        ("budget / prompt", "100 % (whole prompt)" if (stats.get("budget_pct_of_context") or 0) >= 100
+         else _fmt(stats.get("budget_pct_of_context"), "{:.1f} %")),
         ("full KV cache", _fmt(stats["cache_bytes"] * mib if stats.get("cache_bytes") else None, "{:.1f} MiB")),
         ("retrieval cache", _fmt(stats["retrieval_cache_bytes"] * mib if stats.get("retrieval_cache_bytes") else None,
                                  "{:.1f} MiB")),
@@ -103,8 +104,8 @@ def status_markdown(state: RunState) -> str:
     else:
         line = "⏳ Starting…"
     if state.dropped_tokens:
-        line += (f"\n\n⚠️ The document did not fit the context ({state.context_length:,} tokens): "
-                 f"{state.dropped_tokens:,} document tokens were dropped.")
+        line += (f"\n\n⚠️ The document did not fit the context ({state.context_length:,} tokens): its middle "
+                 f"{state.dropped_tokens:,} tokens were dropped (beginning and end kept).")
     return line
 
 

@@ -8,10 +8,14 @@ import json
 import sys
 import typing
 from pathlib import Path
+from typing import NoReturn
+
+import transformers
 
 from core.config import GenerationConfig, TriForceError, settings, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
+from core.prompting import MAX_DOCUMENT_CHARS
 
 COLOURS = {"draft": "\033[32m", "copy": "\033[36m", "level2": "\033[33m", "level3": "\033[35m", "target": ""}
 RESET = "\033[0m"
@@ -43,8 +47,15 @@ def add_settings(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None
                            help=f"{spec.help}{more}" + ("" if default is None else f" (default: {default})"))
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (and exit code 2), like every other refusal."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m core", description="TriForce long-context generation")
+    p = Parser(prog="python -m core", description="TriForce long-context generation")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("generate", "generate an answer"), ("compare", "run AR and TriForce on the same input")):
         s = sub.add_parser(name, help=help_)
@@ -92,10 +103,19 @@ def _summary(f: Finished) -> dict:
     return {"text": f.text, "prompt_ids": f.prompt_ids, "token_ids": f.token_ids, "stats": f.stats.to_dict()}
 
 
+def read_document(path: str) -> str:
+    """The text of a document file; one too large to hold an allowed document is refused before it is read."""
+    size = Path(path).stat().st_size
+    if size > 4 * MAX_DOCUMENT_CHARS:  # UTF-8 takes at most 4 bytes a character
+        raise TriForceError(f"{path} has {size:,} bytes, over the {MAX_DOCUMENT_CHARS:,}-character document limit")
+    return Path(path).read_text(encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    transformers.logging.set_verbosity_error()  # refusals are one line: no loader warnings around them
     try:
-        document = Path(args.doc).read_text(encoding="utf-8")
+        document = read_document(args.doc)
         methods = [args.method] if args.command == "generate" else ["ar", "triforce"]
         configs = [_config(args, m) for m in methods]
         engine = Engine.load(args.target, args.draft, args.device, args.dtype, gpu_memory_gib=args.gpu_memory_gib)

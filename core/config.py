@@ -30,6 +30,10 @@ class ModelNotFoundError(TriForceError):
     """A model path or id could not be resolved offline."""
 
 
+class UnusableModelError(TriForceError):
+    """A model was found but cannot be used: a corrupt file, an unsupported architecture, or its own code to run."""
+
+
 def _drafters() -> tuple[str, ...]:
     from core.drafters import DRAFTERS
     return ("auto", *DRAFTERS)

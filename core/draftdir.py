@@ -64,4 +64,4 @@ def read_draft(directory: Path) -> DraftFiles:
         state[k.removesuffix(".scale")] = state[k.removesuffix(".scale")].float() * scale.float()
     head = meta.get("head_vocab")
     head_ids = load_file(directory / head["file"])["ids"] if head else None
-    return DraftFiles(AutoConfig.from_pretrained(directory), meta, state, head_ids)
+    return DraftFiles(AutoConfig.from_pretrained(directory, trust_remote_code=False), meta, state, head_ids)

@@ -15,14 +15,14 @@ from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.drafters import DraftContext, Drafter, make_drafter
 from core.events import Acceptance, Event, Finished, Loading, PrefillProgress, PromptReady, Stats
-from core.kvcache import CachePool, KVCache
+from core.kvcache import CachePool, KVCache, reusable
 from core.levels import Level
-from core.loading import default_device, default_draft, default_dtype, load_draft, load_model
+from core.loading import default_draft, device_and_dtype, load_draft, load_model
 from core.model import Transformer
 from core.offload import OffloadedKVCache
 from core.output import Output
 from core.placement import GiB, device_budget, plan
-from core.prompting import build_prompt
+from core.prompting import build_prompt, plain_ids
 from core.triforce import TriForce
 
 _LOADED: dict[tuple, "Engine"] = {}
@@ -70,8 +70,7 @@ class Engine:
         key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs, gpu_memory_gib)
         if key in _LOADED:
             return _LOADED[key]
-        dev = torch.device(device) if device else default_device()
-        dt = getattr(torch, dtype) if dtype else default_dtype(dev)
+        dev, dt = device_and_dtype(device, dtype)
         if progress:
             progress(Loading("target", 0.0))
         model, tok, src = load_model(target, dev, dt, rope_scaling)
@@ -112,7 +111,8 @@ class Engine:
         return engine
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Tokens of user text, tokenised as a prompt holds it (special-token strings as plain text)."""
+        return len(plain_ids(self.tokenizer, text))
 
     def drafter(self, cfg: GenerationConfig, prompt: list[int], generator: torch.Generator) -> Drafter:
         """The level-1 drafter cfg.drafter names, for this prompt."""
@@ -129,6 +129,10 @@ class Engine:
         return self._run(prompt, cfg)
 
     def _run(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
+        """The events of one run; when it ends, the pool keeps only the caches it used."""
+        return self.pool.during(self._events(prompt, cfg))
+
+    def _events(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
         ids = prompt.ids
         model = self.target
         capacity = len(ids) + cfg.max_new_tokens + (cfg.gamma2 or 12) + 2
@@ -138,7 +142,6 @@ class Engine:
                           cfg.max_new_tokens, cs,
                           [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)],
                           placement.offloaded, placement.describe())
-        self.pool.release()
         target = Level(model, self._full_cache(capacity, cfg, placement.offloaded), [], self.graphs)
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         t0 = time.perf_counter()
@@ -182,10 +185,11 @@ class Engine:
 
     def _full_cache(self, capacity: int, cfg: GenerationConfig, offloaded: bool) -> KVCache:
         """A full cache with room for `capacity` tokens, in CPU memory when `offloaded`; the previous run's when it is
-        of that kind and fits (page-locking tens of GiB takes seconds: done once, not per run)."""
+        of that kind and fits without being more than twice the size (a larger one is given back; page-locking tens of
+        GiB takes seconds, so an offloaded one is kept across runs)."""
         a = self.target.args
         old = self._prefilled[1] if self._prefilled else None
-        if old is not None and isinstance(old, OffloadedKVCache) == offloaded and old.capacity >= capacity:
+        if old is not None and isinstance(old, OffloadedKVCache) == offloaded and reusable(old.capacity, capacity):
             return old
         self._prefilled = old = None  # freed before the new one is allocated
         make = OffloadedKVCache if offloaded else KVCache

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
 from core.model import Rotary
 from core.ops import DECODE_TOKENS, rotate
+
+T = TypeVar("T")
+
+
+def reusable(capacity: int, need: int) -> bool:
+    """Whether a cache of `capacity` slots may serve a run needing `need`: it fits, and holds at most twice that."""
+    return need <= capacity <= 2 * need
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -181,7 +188,8 @@ class StreamingCache(KVCache):
 
 
 class CachePool:
-    """Static caches kept for later generations of one engine, so that the CUDA graphs captured on them are reused."""
+    """Static caches kept for later generations of one engine, so that the CUDA graphs captured on them are reused;
+    it keeps at most the caches the last generation used."""
 
     def __init__(self):
         self.caches: list[KVCache] = []
@@ -190,6 +198,20 @@ class CachePool:
     def release(self) -> None:
         """A new generation starts: every cache is free again."""
         self.taken.clear()
+
+    def trim(self) -> None:
+        """A generation ended: free the caches it did not use (their memory is given back), keep the others."""
+        self.caches = [c for c in self.caches if id(c) in self.taken]
+        self.taken.clear()
+
+    def during(self, events: Iterator[T]) -> Iterator[T]:
+        """The events of one generation, every cache free at its start and the pool trimmed when it ends (finished,
+        failed or closed)."""
+        self.release()
+        try:
+            yield from events
+        finally:
+            self.trim()
 
     def take(self, fits: Callable[[KVCache], bool], make: Callable[[], KVCache]) -> KVCache:
         """A free cache that `fits`, else a new one from make()."""

@@ -16,7 +16,7 @@ from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from core.config import ModelNotFoundError, TokenizerMismatchError
+from core.config import ModelNotFoundError, TokenizerMismatchError, TriForceError, UnusableModelError
 from core.draftdir import draft_meta, read_draft
 from core.model import Fusion, Transformer
 
@@ -25,6 +25,7 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded GGUF)"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "draft"  # the embedded default's level-1 draft
+NO_CODE = {"trust_remote_code": False}  # a checkpoint's own Python code is never run (and never asked about)
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Source:
 
     @property
     def kwargs(self) -> dict:
-        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+        return {**NO_CODE, "gguf_file": self.gguf_file} if self.gguf_file else dict(NO_CODE)
 
 
 def embedded_source() -> Source:
@@ -81,7 +82,7 @@ def _offline_kwargs(src: Source) -> dict:
     if src.gguf_file or Path(src.path).exists():
         return {}
     try:
-        AutoConfig.from_pretrained(src.path, local_files_only=True)
+        AutoConfig.from_pretrained(src.path, local_files_only=True, **NO_CODE)
         return {"local_files_only": True}
     except OSError:
         pass
@@ -93,15 +94,31 @@ def _offline_kwargs(src: Source) -> dict:
     return {}
 
 
+def first_line(e: Exception) -> str:
+    """The first line of an exception's message."""
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def load_error(name: str, e: Exception) -> TriForceError:
+    """A one-line error for a checkpoint transformers could not load (missing, corrupt, or needing its own code)."""
+    if "trust_remote_code" in str(e):
+        return UnusableModelError(f"{name}: needs its own Python code (trust_remote_code), which is never run here; "
+                                  "pick a model that transformers supports natively")
+    reason = f"{e.__class__.__name__}: {first_line(e)}"
+    return (ModelNotFoundError if isinstance(e, OSError) else UnusableModelError)(f"{name}: cannot load ({reason})")
+
+
 def load_tokenizer(source: str | None):
     """Only the tokenizer of a source (for counting tokens before its weights are loaded)."""
     src = resolve(source)
-    if src.gguf_file and (_cache_dir(src) / "done").is_file():
-        return AutoTokenizer.from_pretrained(_cache_dir(src))
     try:
+        if src.gguf_file and (_cache_dir(src) / "done").is_file():
+            return AutoTokenizer.from_pretrained(_cache_dir(src), **NO_CODE)
         return AutoTokenizer.from_pretrained(src.path, **src.kwargs, **_offline_kwargs(src))
-    except OSError as e:
-        raise ModelNotFoundError(f"{src.name}: cannot load its tokenizer ({str(e).splitlines()[0]})") from e
+    except TriForceError:
+        raise
+    except Exception as e:  # a corrupt file or an unsupported checkpoint can fail anywhere in the readers
+        raise load_error(src.name, e) from e
 
 
 def _from_pretrained(src: Source, dtype: torch.dtype):
@@ -122,10 +139,12 @@ def _from_pretrained(src: Source, dtype: torch.dtype):
                 (cached / "done").touch()
             src = Source(src.name, str(cached))
         offline = _offline_kwargs(src)
-        tok = AutoTokenizer.from_pretrained(src.path, **offline)
-        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **offline)
-    except OSError as e:
-        raise ModelNotFoundError(f"{src.name}: cannot load ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+        tok = AutoTokenizer.from_pretrained(src.path, **offline, **NO_CODE)
+        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **offline, **NO_CODE)
+    except TriForceError:
+        raise
+    except Exception as e:  # a corrupt file or an unsupported checkpoint can fail anywhere in the readers
+        raise load_error(src.name, e) from e
     return tok, hf
 
 
@@ -219,6 +238,23 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
     if fusion:
         reused += ", fused with the target's hidden states"
     return draft, f"{meta.get('name', directory.name)} ({meta['own_parameters'] / 1e6:.1f}M + {reused})"
+
+
+def device_and_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """The torch device and dtype their names give (None: the defaults); an unknown or unusable one raises
+    TriForceError."""
+    try:
+        dev = torch.device(device) if device else default_device()
+    except (RuntimeError, ValueError):
+        raise TriForceError(f"unknown device {device!r}; use cpu, or cuda (cuda:N) on a machine with a GPU") from None
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:  # torch without CUDA asserts; a missing device index is a RuntimeError
+        raise TriForceError(f"device {device!r} is not available here ({first_line(e)}); "
+                            f"use {'cuda or ' if torch.cuda.is_available() else ''}cpu") from None
+    if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise TriForceError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    return dev, getattr(torch, dtype) if dtype else default_dtype(dev)
 
 
 def default_device() -> torch.device:

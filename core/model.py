@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from core.config import UnusableModelError
 from core.ops import TORCH, TorchOps, ops_for
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -82,7 +83,8 @@ class ModelArgs:
     def from_config(cls, config: PretrainedConfig) -> "ModelArgs":
         model_type = config.model_type
         if model_type not in SUPPORTED_TYPES:
-            raise ValueError(f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+            raise UnusableModelError(f"model type {model_type!r} is not supported (supported: "
+                                     f"{', '.join(SUPPORTED_TYPES)})")
         n_heads = config.num_attention_heads
         return cls(
             model_type=model_type,

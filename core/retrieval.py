@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from core.events import RetrievalSelection
-from core.kvcache import CachePool, KVCache, pinned_empty
+from core.kvcache import CachePool, KVCache, pinned_empty, reusable
 from core.levels import Level, common_prefix
 from core.ops import TORCH, TorchOps
 
@@ -99,16 +99,18 @@ def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, 
 
 def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int, pool: CachePool | None = None
                     ) -> KVCache:
-    """An empty retrieval cache sized for `budget` prompt tokens (+ tail) and `extra` later tokens (from `pool`
-    when one fits; its capacity then also covers any tail, so one cache serves prompts of any length)."""
-    head = chunks_to_keep(index, budget) * index.chunk_size + index.tail
+    """An empty retrieval cache for the chunks `budget` buys of this prompt (+ tail) and `extra` later tokens (from
+    `pool` when a cache of about that size is free; a new one's capacity also covers any tail, so that it serves
+    later prompts with the same budget)."""
+    kept = chunks_to_keep(index, budget) * index.chunk_size
+    head = kept + index.tail
     n_layers, n_kv, _, d = full.k.shape
     if pool is None:
         return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.device, head=head, start=index.length)
-    shape = (n_layers, n_kv, budget + index.chunk_size + extra, d)
-    cache = pool.take(lambda c: type(c) is KVCache and c.k.shape[:2] == shape[:2] and c.k.shape[3] == d
-                      and c.capacity >= head + extra and c.k.dtype == full.k.dtype,
-                      lambda: KVCache(n_layers, n_kv, d, shape[2], full.k.dtype, full.device))
+    need = kept + index.chunk_size + extra
+    cache = pool.take(lambda c: type(c) is KVCache and c.k.shape[:2] == (n_layers, n_kv) and c.k.shape[3] == d
+                      and reusable(c.capacity, need) and c.k.dtype == full.k.dtype,
+                      lambda: KVCache(n_layers, n_kv, d, need, full.k.dtype, full.device))
     cache.reset(head, index.length)
     return cache
 

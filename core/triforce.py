@@ -84,14 +84,16 @@ class TriForce:
 
     def draft_level2(self, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
                      ) -> Generator[Event, None, Draft]:
-        """Level 2 produces up to gamma2 tokens, verifying level-1 proposals; yields events, returns the draft.
-        `feature`: the hidden state that produced seq's last token, for a drafter that uses it."""
+        """Level 2 produces up to gamma2 tokens, and no more than the answer still wants, verifying level-1
+        proposals; yields events, returns the draft. `feature`: the hidden state that produced seq's last token, for a
+        drafter that uses it. (The length depends on the emitted count alone, so verification stays exact.)"""
         cfg, level2 = self.cfg, self.level2
+        want = min(cfg.gamma2, cfg.max_new_tokens - len(self.out.ids))
         draft = Draft()
-        while len(draft.tokens) < cfg.gamma2:
+        while len(draft.tokens) < want:
             t0 = time.perf_counter()
-            proposals, q1, copied = self.drafter.propose(seq, min(cfg.gamma1, cfg.gamma2 - len(draft.tokens)),
-                                                         committed, draft.tokens, feature)
+            proposals, q1, copied = self.drafter.propose(seq, min(cfg.gamma1, want - len(draft.tokens)), committed,
+                                                         draft.tokens, feature)
             t1 = time.perf_counter()
             h2 = level2.states(seq, len(proposals) + 1, committed, draft.tokens + proposals)
             p2 = distributions(level2.model.head(h2), cfg)
@@ -108,5 +110,5 @@ class TriForce:
             feature = h2[accepted]
             draft.q += list(p2[:accepted + 1])
             draft.provenance += ["copy" if c else "draft" for c in copied[:accepted]] + ["level2"]
-        del draft.tokens[cfg.gamma2:], draft.q[cfg.gamma2:], draft.provenance[cfg.gamma2:]
+        del draft.tokens[want:], draft.q[want:], draft.provenance[want:]
         return draft

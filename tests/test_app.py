@@ -219,6 +219,23 @@ def test_heatmap_bins_long_documents_and_hovers_with_snippets() -> None:
     assert len(json.dumps(figure)) < 600_000
 
 
+def test_heatmap_hover_shows_document_markup_as_text() -> None:
+    from app.figures import column_labels
+
+    state = RunState()
+    apply_event(state, {**prompt_event(2), "chunk_texts": ["<b>bold</b> & ", "<a href='x'>link</a>"]})
+    apply_event(state, selection_event(2, [[[0, 1]]]))
+    labels = column_labels(state)
+    assert "“&lt;b&gt;bold&lt;/b&gt; &amp;”" in labels[0] and "“&lt;a href=&#x27;x&#x27;&gt;link" in labels[1]
+    assert "<" not in "".join(labels)
+
+
+def test_upload_cache_is_cleaned() -> None:
+    from app.layout import UPLOAD_CACHE, build_demo
+
+    assert build_demo().delete_cache == UPLOAD_CACHE and UPLOAD_CACHE[1] <= 86400
+
+
 def test_heatmap_without_retrieval_says_why() -> None:
     figure = selection_heatmap(RunState(method="ar"))
     assert "no retrieval" in figure.layout.annotations[0].text
@@ -227,8 +244,30 @@ def test_heatmap_without_retrieval_says_why() -> None:
 def test_stats_and_status_mention_truncation() -> None:
     state = RunState()
     apply_event(state, prompt_event(4, dropped=1234))
-    assert "1,234 document tokens were dropped" in status_markdown(state)
+    assert "middle 1,234 tokens were dropped" in status_markdown(state)
     assert "tokens dropped (truncated) | 1234" in stats_markdown(live_stats(state))
+
+
+def test_a_budget_over_the_prompt_reads_whole_prompt() -> None:
+    state = RunState()
+    state.prompt_tokens, state.budget = 100, 140
+    assert live_stats(state)["budget_pct_of_context"] == 100.0
+    assert "| budget / prompt | 100 % (whole prompt) |" in stats_markdown(live_stats(state))
+
+
+def test_document_line_counts_what_the_run_drops() -> None:
+    from core import GenerationConfig
+    from core.events import PromptReady
+
+    long_doc = (ROOT / "assets" / "docs" / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    engine = callbacks.load_engine(None, None)
+    events = engine.generate(long_doc, "Who is Mr Darcy?", GenerationConfig(max_new_tokens=64))
+    ready = next(events)
+    events.close()
+    assert isinstance(ready, PromptReady) and ready.dropped_tokens > 100_000
+    line = callbacks.describe_document(long_doc, EMBEDDED, 4096, "Who is Mr Darcy?", 64)
+    assert f"drops the middle {ready.dropped_tokens:,} tokens" in line and "64 answer tokens" in line
+    assert "= the whole document" in callbacks.describe_document("A short note.", EMBEDDED, 4096)
 
 
 def test_comparison_summary_checks_token_identity() -> None:
