@@ -13,20 +13,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core import TriForceError
+from core import GenerationConfig, TriForceError
+from core.config import settings
 from core.text import html_to_text
 
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, DocumentError, load_samples, read_document
 from app.figures import HEATMAP_MODES, compare_bars, pick_rows, selection_heatmap
 from app.presets import CUSTOM, EMBEDDED, PRESETS, all_presets, env_preset
-from app.settings import build_config
+from app.settings import app_settings, build_config, build_panel
 from app.state import MAX_COLUMNS, RunState, apply_event, bin_edges, bin_max, live_stats
 from app.views import PROVENANCE_LABELS, SPAN_LABELS, answer_pieces, document_view, stats_markdown, status_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(max_new_tokens=16, budget=128, chunk_size=8, gamma1=2, gamma2=6, drafter="auto", reselect="once",
-                reselect_every=8, temperature=0.6, top_p=0.9, seed=0, greedy=True, overflow="truncate")
+                temperature=0.6, top_p=0.9, seed=0, greedy=True, overflow="truncate")
 BROKEN_TARGET = "/nonexistent/triforce-target"
 
 
@@ -133,21 +134,65 @@ def test_presets_from_environment() -> None:
 
 
 def test_build_config_maps_widgets_and_explains_bad_values() -> None:
-    config = build_config(method="triforce", **{**SETTINGS, "reselect": "every N rounds", "reselect_every": 4.0,
-                                                "drafter": "ngram"})
+    config = build_config("triforce", {**SETTINGS, "reselect": "4", "drafter": "ngram"})
     assert (config.reselect, config.drafter, config.max_new_tokens, config.greedy) == (4, "ngram", 16, True)
-    assert build_config(method="ar", **{**SETTINGS, "reselect": "every verification"}).reselect == "every_verify"
+    assert build_config("ar", {**SETTINGS, "reselect": "every_verify"}).reselect == "every_verify"
     with pytest.raises(TriForceError, match="multiple of chunk_size"):
-        build_config(method="triforce", **{**SETTINGS, "budget": 100})
+        build_config("triforce", {**SETTINGS, "budget": 100})
     with pytest.raises(TriForceError, match="whole number"):
-        build_config(method="triforce", **{**SETTINGS, "max_new_tokens": 2.5})
+        build_config("triforce", {**SETTINGS, "max_new_tokens": 2.5})
     with pytest.raises(TriForceError, match="empty"):
-        build_config(method="triforce", **{**SETTINGS, "seed": None})
+        build_config("triforce", {**SETTINGS, "seed": None})
     with pytest.raises(TriForceError, match="top_p"):
-        build_config(method="triforce", **{**SETTINGS, "top_p": 0})
-    assert build_config(method="triforce", **{**SETTINGS, "lookup_min": 4.0}).lookup_min == 4
+        build_config("triforce", {**SETTINGS, "top_p": 0})
+    assert build_config("triforce", {**SETTINGS, "lookup_min": 4.0}).lookup_min == 4
     with pytest.raises(TriForceError, match="lookup_min"):
-        build_config(method="triforce", **{**SETTINGS, "lookup_min": -1})
+        build_config("triforce", {**SETTINGS, "lookup_min": -1})
+
+
+def test_build_config_reads_text_blanks_and_defaults() -> None:
+    config = build_config("triforce", {"budget": " 256 ", "gamma2": "", "max_new_tokens": "32", "temperature": "0.5",
+                                       "reselect": " once ", "document": "ignored"})
+    assert (config.budget, config.gamma2, config.max_new_tokens, config.temperature) == (256, None, 32, 0.5)
+    assert build_config("triforce", {}) == GenerationConfig().validate()  # a missing setting keeps its default
+    for name, raw, message in (("max_new_tokens", "many", "Max new tokens must be a whole number, got 'many'"),
+                               ("temperature", "hot", "Temperature must be a number"),
+                               ("budget", "12.5", "whole number"), ("greedy", "yes", "true or false"),
+                               ("reselect", "sometimes", "once, every_verify or a whole number"),
+                               ("seed", [1], "whole number"), ("max_new_tokens", "", "empty")):
+        with pytest.raises(TriForceError, match=message) as err:
+            build_config("triforce", {name: raw})
+        assert "\n" not in str(err.value)
+
+
+def test_settings_panel_is_built_from_the_declarations() -> None:
+    import gradio as gr
+
+    with gr.Blocks():
+        panel = build_panel({"budget": 512}, {"budget": "512 is this preset's choice"})
+    declared = {name for name, (_, spec) in settings().items() if spec.app}
+    assert list(panel) == list(app_settings()) and set(panel) == declared
+    for name, component in panel.items():
+        spec = settings()[name][1]
+        assert component.label == spec.label and component.info.startswith(spec.help)
+    kinds = {name: type(component) for name, component in panel.items()}
+    assert kinds["greedy"] is gr.Checkbox and kinds["drafter"] is gr.Radio and kinds["overflow"] is gr.Radio
+    assert kinds["temperature"] is gr.Slider and kinds["chunk_size"] is gr.Slider
+    assert kinds["max_new_tokens"] is gr.Number and kinds["seed"] is gr.Number
+    assert kinds["budget"] is gr.Textbox and kinds["gamma2"] is gr.Textbox and panel["gamma2"].value == ""
+    assert panel["budget"].value == "512" and "preset's choice" in panel["budget"].info
+    reselect = panel["reselect"]
+    assert type(reselect) is gr.Dropdown and reselect.allow_custom_value and reselect.value == "once"
+    assert [value for _, value in reselect.choices][:2] == ["once", "every_verify"] and ("8", "8") in reselect.choices
+    assert (panel["temperature"].minimum, panel["temperature"].maximum, panel["temperature"].step) == (0.0, 2.0, 0.05)
+    assert panel["max_new_tokens"].value == GenerationConfig.max_new_tokens
+
+
+def test_preset_budget_is_the_presets_choice() -> None:
+    update = callbacks.preset_budget(EMBEDDED)
+    assert update["value"] == "512" and "preset's choice" in update["info"]
+    paper = callbacks.preset_budget(PRESETS[1].name)
+    assert paper["value"] == "" and "preset" not in paper["info"]
 
 
 # ---------------------------------------------------------------- reducer, views, figures
@@ -321,6 +366,9 @@ def test_compare_greedy_outputs_are_token_identical(server, short_doc: str) -> N
 @pytest.mark.parametrize("overrides, message", [
     ({"document": "   "}, "document is empty"),
     ({"budget": 100}, "multiple of chunk_size"),
+    ({"max_new_tokens": "lots"}, "must be a whole number, got 'lots'"),
+    ({"temperature": "warm"}, "Temperature must be a number"),
+    ({"drafter": "oracle"}, "drafter must be one of auto"),
     ({"preset_name": CUSTOM}, "Could not load"),
 ])
 def test_bad_input_is_reported_and_the_next_run_works(server, short_doc: str, overrides: dict,
