@@ -188,8 +188,15 @@ def comparison_summary(ar: RunState, tf: RunState, greedy: bool) -> tuple[str, d
     elif not greedy:
         lines.append("Sampling is on: outputs may differ token by token (both follow the target's distribution). "
                      "Tick *greedy* for a token-identity check.")
+    if tf_stats.get("prefill_reused"):
+        lines.append("Prefill and time to first token are apart from decode speed: TriForce reused the cache the "
+                     "autoregressive run prefilled for the same prompt.")
+    device = " · ".join(v for v in (tf_stats.get("device") or ar_stats.get("device"),
+                                    tf_stats.get("dtype") or ar_stats.get("dtype")) if v)
+    if device:
+        lines.append(f"Ran on **{device}**.")
     summary = {"ar": ar_stats, "triforce": tf_stats, "speedup": speedup, "greedy": greedy, "identical": identical,
-               "first_difference": first_difference}
+               "first_difference": first_difference, "device": device}
     return "\n\n".join(lines), summary
 
 

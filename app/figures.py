@@ -87,10 +87,11 @@ def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figur
 
 
 def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
-    """Bars of tokens/s, ms per token and time to first token for autoregressive vs TriForce."""
-    metrics = (("tokens/s", "tokens_per_s", 1.0), ("ms per token", "tokens_per_s", None),
-               ("time to first token (s)", "time_to_first_token_s", 1.0))
-    fig = make_subplots(rows=1, cols=3, subplot_titles=[m[0] for m in metrics])
+    """Bars of decode speed (tokens/s, ms per token) apart from prefill and time to first token, autoregressive vs
+    TriForce, titled with the device and dtype they ran on."""
+    metrics = (("decode: tokens/s", "tokens_per_s", 1.0), ("decode: ms per token", "tokens_per_s", None),
+               ("prefill (s)", "prefill_s", 1.0), ("time to first token (s)", "time_to_first_token_s", 1.0))
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[m[0] for m in metrics])
     for name, stats, colour in (("autoregressive", ar, "#9ca3af"), ("TriForce", tf, "#2563eb")):
         values = []
         for _, key, scale in metrics:
@@ -100,7 +101,10 @@ def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
             else:
                 values.append(raw * scale if scale is not None else 1000.0 / raw)
         for col, value in enumerate(values, start=1):
+            reused = col == 3 and (stats or {}).get("prefill_reused")
+            text = "" if value is None else f"{value:.3g}" + (" (cache reused)" if reused else "")
             fig.add_trace(go.Bar(x=[name], y=[value], name=name, marker_color=colour, showlegend=col == 1,
-                                 text=[f"{value:.3g}" if value is not None else ""], textposition="auto"),
-                          row=1, col=col)
-    return _layout(fig, "Autoregressive vs TriForce (same input, seed and device)", height=320)
+                                 text=[text], textposition="auto"), row=1, col=col)
+    device = " · ".join(v for v in ((tf or {}).get("device"), (tf or {}).get("dtype")) if v)
+    return _layout(fig, "Autoregressive vs TriForce (same input and seed" + (f", on {device})" if device else ")"),
+                   height=320)

@@ -70,11 +70,14 @@ def _fmt(value: float | None, pattern: str) -> str:
 def stats_markdown(stats: dict) -> str:
     """A two-column Markdown table of the headline figures."""
     mib = 1 / 2**20
+    speed = stats.get("tokens_per_s")
     rows = [
         ("tokens generated", str(stats.get("new_tokens", 0))),
-        ("tokens / s (decode)", _fmt(stats.get("tokens_per_s"), "{:.2f}")),
-        ("time to first token", _fmt(stats.get("time_to_first_token_s"), "{:.2f} s")),
-        ("prefill", _fmt(stats.get("prefill_s"), "{:.2f} s")),
+        ("decode: tokens / s", _fmt(speed, "{:.2f}")),
+        ("decode: ms / token", _fmt(1000 / speed if speed else None, "{:.1f}")),
+        ("prefill" + (" (cache of the previous run reused)" if stats.get("prefill_reused") else ""),
+         _fmt(stats.get("prefill_s"), "{:.2f} s")),
+        ("time to first token (prefill + first round)", _fmt(stats.get("time_to_first_token_s"), "{:.2f} s")),
         ("level-1 acceptance (by level 2)", _fmt(stats.get("level1_acceptance"), "{:.0%}")),
         ("level-2 acceptance (by level 3)", _fmt(stats.get("level2_acceptance"), "{:.0%}")),
         ("tokens per target forward", _fmt(stats.get("tokens_per_target_forward"), "{:.2f}")),
@@ -83,6 +86,8 @@ def stats_markdown(stats: dict) -> str:
         ("retrieval cache", _fmt(stats["retrieval_cache_bytes"] * mib if stats.get("retrieval_cache_bytes") else None,
                                  "{:.1f} MiB")),
     ]
+    if stats.get("device"):
+        rows.append(("device · dtype", f"{stats['device']} · {stats.get('dtype', '')}"))
     if stats.get("dropped_tokens"):
         rows.append(("tokens dropped (truncated)", str(stats["dropped_tokens"])))
     header = "| | " + ("final" if stats.get("finished") else "live") + " |\n|---|---|\n"

@@ -286,7 +286,15 @@ def test_comparison_summary_checks_token_identity() -> None:
     tf.token_ids = [1, 2, 3]
     assert callbacks.comparison_summary(ar, tf, greedy=True)[1]["identical"] is True
     assert callbacks.comparison_summary(ar, tf, greedy=False)[1]["identical"] is None
-    assert len(compare_bars(live_stats(ar), live_stats(tf)).data) == 6
+    tf.final_stats |= {"device": "cuda:0", "dtype": "bfloat16", "prefill_reused": True, "prefill_s": 0.01}
+    text, summary = callbacks.comparison_summary(ar, tf, greedy=False)
+    assert summary["device"] == "cuda:0 · bfloat16" and "Ran on **cuda:0 · bfloat16**" in text and "reused" in text
+    bars = compare_bars(live_stats(ar), live_stats(tf))
+    assert len(bars.data) == 8 and "cuda:0 · bfloat16" in bars.layout.title.text
+    assert [a.text for a in bars.layout.annotations][2:] == ["prefill (s)", "time to first token (s)"]
+    table = stats_markdown(live_stats(tf))
+    assert "decode: tokens / s | 5.00" in table and "decode: ms / token | 200.0" in table
+    assert "prefill (cache of the previous run reused)" in table and "cuda:0 · bfloat16" in table
 
 
 def test_throttle_limits_rate_but_lets_forced_updates_through() -> None:
@@ -360,7 +368,8 @@ def test_compare_greedy_outputs_are_token_identical(server, short_doc: str) -> N
     assert [p["token"] for p in ar_answer] == [p["token"] for p in tf_answer] and ar_answer
     assert {p["class_or_confidence"] for p in ar_answer} == {PROVENANCE_LABELS["target"]}
     assert summary["speedup"] > 0 and summary["ar"]["tokens_per_s"] > 0 and summary["triforce"]["tokens_per_s"] > 0
-    assert "Token-identical" in verdict and len(json.loads(bars["plot"])["data"]) == 6
+    assert "Ran on **cpu · float32**" in verdict and "cpu · float32" in tf_md
+    assert "Token-identical" in verdict and len(json.loads(bars["plot"])["data"]) == 8
 
 
 @pytest.mark.parametrize("overrides, message", [
