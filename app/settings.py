@@ -37,7 +37,8 @@ def widget_args(name: str, value: Any = dataclasses.MISSING, note: str = "") -> 
     `value` overrides the default, `note` is added to the help."""
     _, spec, kinds = app_settings()[name]
     value = default(name) if value is dataclasses.MISSING else value
-    common = {"label": spec.label or name, "info": spec.help + (f" · {note}" if note else ""), "elem_id": f"set-{name}"}
+    common = {"label": spec.label or name, "info": spec.help + (f" · {note}" if note else ""),
+              "elem_id": f"set-{name}"}
     options = spec.options()
     if bool in kinds:
         return gr.Checkbox, {"value": bool(value), **common}
