@@ -12,13 +12,13 @@ import gradio as gr
 from core import GenerationConfig, TriForceError
 
 from app.documents import DocumentError, load_samples, read_document
-from app.figures import HEATMAP_MODES, compare_bars, empty_figure, selection_heatmap
+from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap
 from app.explainer import engine_table
 from app.inference import ModelLoadError, counting_engine, load_engine, loaded_infos, preset_engine, stream_events
 from app.presets import Preset, panel_overrides, preset_by_name
 from app.settings import build_config, parse, widget_args
 from app.state import RunState, apply_event, live_stats
-from app.views import answer_pieces, document_view, stats_for, stats_markdown, status_markdown
+from app.views import answer_pieces, document_view, stats_for, stats_markdown, status_markdown, timeline_html
 
 PLOT_INTERVAL_S = 0.25  # heatmap and document view: at most 4 updates per second
 TEXT_INTERVAL_S = 0.05  # answer, stats and status: at most 20 updates per second
@@ -131,32 +131,38 @@ def _stream(preset: Preset, document: str, instruction: str, config: GenerationC
 
 
 def run_triforce(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[dict[str, Any]]:
-    """Stream one TriForce generation from the panel's values by name: frames of status, coloured answer, heatmap,
-    document view, stats and run state, by output name."""
+    """Stream one TriForce generation from the panel's values by name: frames of status, coloured answer (with the
+    rejected drafts unless hidden), heatmap, document view, timeline, stats, per-level costs and run state."""
     config = _settings("triforce", values)
     progress(0, desc="Loading model")
     chosen = _prepare(values["document"], values["instruction"], values["preset_name"])
-    mode = values.get("heatmap_mode") or HEATMAP_MODES[0]
+    mode, show = values.get("heatmap_mode") or HEATMAP_MODES[0], values.get("show_rejected") is not False
     state = RunState(method="triforce")
     text_gate, plot_gate = Throttle(TEXT_INTERVAL_S), Throttle(PLOT_INTERVAL_S)
-    yield {"status": "⏳ Starting…", "answer": [], "heatmap": empty_figure("The retrieval heatmap appears after prefill."),
-           "doc_view": [], "stats": "", "stats_json": {}, "run_state": state}
+    yield {"status": "⏳ Starting…", "answer": [],
+           "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": [],
+           "timeline": timeline_html(state), "stats": "", "stats_json": {}, "costs": cost_figure([], None),
+           "run_state": state}
     for kind in _stream(chosen, values["document"], values["instruction"], config, state, progress):
         now = time.monotonic()
         force = kind in ("PromptReady", "Finished") or (kind == "RetrievalSelection" and len(state.selection_rounds) == 1)
         if text_gate.due(now, force):
-            yield _triforce_frame(state, mode, plot_gate.due(now, force))
+            yield _triforce_frame(state, mode, show, plot_gate.due(now, force))
     if not state.finished:  # the stream ended without Finished: show the last state in full
-        yield _triforce_frame(state, mode, True)
+        yield _triforce_frame(state, mode, show, True)
 
 
-def _triforce_frame(state: RunState, mode: str, with_plots: bool) -> dict[str, Any]:
-    """The TriForce tab's outputs for the current state; the heatmap and document view only `with_plots`."""
+def _triforce_frame(state: RunState, mode: str, show_rejected: bool, with_plots: bool) -> dict[str, Any]:
+    """The TriForce tab's outputs for the current state; heatmap, document view and timeline only `with_plots`,
+    the per-level costs once the run has finished."""
     stats_md, stats = stats_for(state)
-    frame = {"status": status_markdown(state), "answer": answer_pieces(state), "stats": stats_md, "stats_json": stats,
-             "run_state": state}
+    frame = {"status": status_markdown(state), "answer": answer_pieces(state, show_rejected), "stats": stats_md,
+             "stats_json": stats, "run_state": state}
     if with_plots:
-        frame |= {"heatmap": selection_heatmap(state, mode), "doc_view": document_view(state)}
+        frame |= {"heatmap": selection_heatmap(state, mode), "doc_view": document_view(state),
+                  "timeline": timeline_html(state)}
+    if state.finished:
+        frame["costs"] = cost_figure(stats["levels"], stats["tokens_per_target_forward"])
     return frame
 
 
@@ -165,6 +171,11 @@ def redraw_heatmap(state: RunState | None, mode: str) -> object:
     if not isinstance(state, RunState):
         return empty_figure("Run TriForce to see which chunks the retrieval cache keeps.")
     return selection_heatmap(state, mode)
+
+
+def redraw_answer(state: RunState | None, show_rejected: bool) -> list[tuple[str, str | None]]:
+    """The last run's answer with or without its rejected drafts."""
+    return answer_pieces(state, show_rejected) if isinstance(state, RunState) else []
 
 
 def stopped() -> str:
@@ -209,15 +220,20 @@ def run_compare(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[di
     gate = Throttle(TEXT_INTERVAL_S)
     is_greedy = configs["ar"].is_greedy
 
+    show = values.get("show_rejected") is not False
+
     def frame(note: str, with_plot: bool = True) -> dict[str, Any]:
-        """All Compare outputs for the current progress; the chart and verdict only when `with_plot`."""
+        """All Compare outputs for the current progress; charts, timeline and verdict only when `with_plot`."""
         ar_stats, tf_stats = live_stats(runs["ar"]), live_stats(runs["triforce"])
         out = {"compare_status": note, "ar_answer": answer_pieces(runs["ar"]),
-               "tf_answer": answer_pieces(runs["triforce"]), "ar_stats": stats_markdown(ar_stats),
-               "tf_stats": stats_markdown(tf_stats)}
+               "tf_answer": answer_pieces(runs["triforce"], show), "ar_stats": stats_markdown(ar_stats),
+               "tf_stats": stats_markdown(tf_stats), "compare_state": runs["triforce"]}
         if with_plot:
             verdict, summary = comparison_summary(runs["ar"], runs["triforce"], is_greedy)
-            out |= {"bars": compare_bars(ar_stats, tf_stats), "verdict": verdict, "compare_json": summary}
+            out |= {"bars": compare_bars(ar_stats, tf_stats), "tf_timeline": timeline_html(runs["triforce"]),
+                    "compare_costs": cost_figure(tf_stats["levels"], tf_stats["tokens_per_target_forward"],
+                                                 ar_stats["levels"]),
+                    "verdict": verdict, "compare_json": summary}
         return out
 
     yield frame("⏳ Starting…")

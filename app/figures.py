@@ -1,6 +1,9 @@
-"""Plotly figures: the retrieval heatmap (chunk × step or chunk × layer) and the Compare bar chart."""
+"""Plotly figures: the retrieval heatmap (chunk × step or chunk × layer), the Compare bar chart, the cost per
+level."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
@@ -108,3 +111,32 @@ def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
     device = " · ".join(v for v in ((tf or {}).get("device"), (tf or {}).get("dtype")) if v)
     return _layout(fig, "Autoregressive vs TriForce (same input and seed" + (f", on {device})" if device else ")"),
                    height=320)
+
+
+LEVEL_COLORS = {"level1": "#22c55e", "level2": "#f59e0b", "level3": "#ef4444", "selection": "#a78bfa",
+                "target": "#9ca3af"}
+
+
+def cost_figure(rows: Sequence[dict], tokens_per_forward: float | None, reference: Sequence[dict] = ()) -> go.Figure:
+    """The finished run's cost per level: milliseconds and MiB read (weights + KV cache) per step, and each level's
+    share of the decode time; `reference` rows (autoregressive) join the first two panels."""
+    if not rows:
+        return empty_figure("The cost of each level appears when the run has finished.").update_layout(height=160)
+    panels = ("ms per step", "MiB read per step (weights + KV cache)", "share of decode time")
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, subplot_titles=panels, horizontal_spacing=0.03)
+    every = [*rows, *reference]
+    labels = [row["level"] for row in every]
+    columns = (("ms_per_step", 1.0, "{:.3g} ms", every), ("bytes_per_step", 1 / 2**20, "{:.3g} MiB", every),
+               ("share", 100.0, "{:.0f} %", rows))
+    for col, (key, scale, pattern, shown) in enumerate(columns, start=1):
+        values = [None if row[key] is None else row[key] * scale for row in shown]
+        fig.add_trace(go.Bar(
+            y=labels[:len(shown)], x=values, orientation="h", showlegend=False,
+            marker_color=[LEVEL_COLORS.get(row["key"], "#64748b") for row in shown],
+            text=["" if v is None else pattern.format(v) for v in values], textposition="auto",
+            customdata=[[row["steps"], row["ms"]] for row in shown],
+            hovertemplate="%{y}<br>%{customdata[0]} steps, %{customdata[1]:.1f} ms in all<extra></extra>"),
+            row=1, col=col)
+    fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=labels)
+    per_forward = f" · {tokens_per_forward:.2f} tokens per target forward" if tokens_per_forward else ""
+    return _layout(fig, f"Cost per level of the last run{per_forward}", height=120 + 40 * len(labels))

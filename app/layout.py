@@ -10,15 +10,25 @@ import gradio as gr
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, SUPPORTED_SUFFIXES, load_samples
 from app.explainer import EXPLANATION
-from app.figures import HEATMAP_MODES, empty_figure
+from app.figures import HEATMAP_MODES, cost_figure, empty_figure
 from app.presets import all_presets, default_preset, panel_overrides
 from app.settings import build_panel
 from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
 
+SHOW_REJECTED = "Show rejected drafts (struck through; a running generation keeps the choice it started with)"
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
 #answer, #compare-ar, #compare-tf {min-height: 8rem}
 #doc-view {max-height: 22rem; overflow-y: auto}
+.tl {font-size: 0.8rem; max-height: 16rem; overflow-y: auto}
+.tl-head {margin-bottom: 4px; color: var(--body-text-color-subdued)}
+.tl-rounds {display: flex; flex-wrap: wrap; gap: 5px 7px}
+.tl-round {display: inline-flex; flex-direction: column; gap: 2px}
+.tl-round > span {display: flex; gap: 1px; height: 9px}
+.tl i {display: inline-block; width: 6px; height: 9px; border-radius: 1px; vertical-align: middle}
+.tl s {display: inline-block; width: 3px}
+.tl .ok {background: #22c55e} .tl .no {background: #374151} .tl .skip {background: #d1d5db}
+.tl .l2 {background: #f59e0b} .tl .l3 {background: #ef4444}
 """
 HEADER = """# TriForce Studio
 Hierarchical speculative decoding for long documents
@@ -79,6 +89,9 @@ def build_demo() -> gr.Blocks:
                         status = gr.Markdown("Ready.", elem_id="status")
                         answer = gr.HighlightedText(label="Answer (coloured by provenance)", color_map=TRIFORCE_COLORS,
                                                     show_legend=True, elem_id="answer")
+                        show_rejected = gr.Checkbox(True, label=SHOW_REJECTED, elem_id="show-rejected",
+                                                    container=False)
+                        timeline = gr.HTML(elem_id="timeline")
                         heatmap_mode = gr.Radio(list(HEATMAP_MODES), value=HEATMAP_MODES[0], label="Heatmap",
                                                 container=False)
                         heatmap = gr.Plot(empty_figure("Run TriForce to see which chunks the retrieval cache keeps."),
@@ -87,6 +100,7 @@ def build_demo() -> gr.Blocks:
                             doc_view = gr.HighlightedText(label="Selected spans of the document (latest selection)",
                                                           color_map=SPAN_COLORS, show_legend=True, elem_id="doc-view")
                             stats = gr.Markdown(elem_id="stats")
+                        costs = gr.Plot(cost_figure([], None), label="Cost per level", elem_id="costs")
                         with gr.Accordion("Raw stats (JSON)", open=False):
                             stats_json = gr.JSON(label="stats")
                 run_state = gr.State()
@@ -106,9 +120,14 @@ def build_demo() -> gr.Blocks:
                     with gr.Column():
                         tf_answer = gr.HighlightedText(label="TriForce", color_map=TRIFORCE_COLORS,
                                                        show_legend=True, elem_id="compare-tf")
+                        compare_show_rejected = gr.Checkbox(True, label=SHOW_REJECTED, container=False,
+                                                            elem_id="compare-show-rejected")
+                        tf_timeline = gr.HTML(elem_id="compare-timeline")
                         tf_stats = gr.Markdown()
                 verdict = gr.Markdown(elem_id="verdict")
                 bars = gr.Plot(label="Speed", elem_id="compare-bars")
+                compare_costs = gr.Plot(cost_figure([], None), label="Cost per level", elem_id="compare-costs")
+                compare_state = gr.State()
                 with gr.Accordion("Raw comparison (JSON)", open=False):
                     compare_json = gr.JSON(label="comparison")
             with gr.Tab("How it works", id="how") as how_tab:
@@ -128,21 +147,27 @@ def build_demo() -> gr.Blocks:
         demo.load(api_visibility="private", **describe)
 
         outputs = {"status": status, "answer": answer, "heatmap": heatmap, "doc_view": doc_view, "stats": stats,
-                   "stats_json": stats_json, "run_state": run_state}
-        run_event = run.click(by_name(callbacks.run_triforce, outputs), inputs_kwargs={**inputs,
-                                                                                      "heatmap_mode": heatmap_mode},
+                   "stats_json": stats_json, "timeline": timeline, "costs": costs, "run_state": run_state}
+        run_event = run.click(by_name(callbacks.run_triforce, outputs),
+                              inputs_kwargs={**inputs, "heatmap_mode": heatmap_mode, "show_rejected": show_rejected},
                               outputs=list(outputs.values()), api_name="triforce", preprocess=False,
                               concurrency_id=GPU_QUEUE, concurrency_limit=1)
         stop.click(callbacks.stopped, None, status, cancels=[run_event], api_name="stop", concurrency_limit=None)
         heatmap_mode.change(callbacks.redraw_heatmap, [run_state, heatmap_mode], heatmap, api_visibility="private",
                             concurrency_limit=None)
+        show_rejected.change(callbacks.redraw_answer, [run_state, show_rejected], answer, api_visibility="private",
+                             concurrency_limit=None)
 
         outputs = {"compare_status": compare_status, "ar_answer": ar_answer, "tf_answer": tf_answer,
                    "ar_stats": ar_stats, "tf_stats": tf_stats, "bars": bars, "verdict": verdict,
-                   "compare_json": compare_json}
-        compare_event = compare_run.click(by_name(callbacks.run_compare, outputs), inputs_kwargs=inputs,
+                   "compare_json": compare_json, "tf_timeline": tf_timeline, "compare_costs": compare_costs,
+                   "compare_state": compare_state}
+        compare_event = compare_run.click(by_name(callbacks.run_compare, outputs),
+                                          inputs_kwargs={**inputs, "show_rejected": compare_show_rejected},
                                           outputs=list(outputs.values()), api_name="compare", preprocess=False,
                                           concurrency_id=GPU_QUEUE, concurrency_limit=1)
+        compare_show_rejected.change(callbacks.redraw_answer, [compare_state, compare_show_rejected], tf_answer,
+                                     api_visibility="private", concurrency_limit=None)
         compare_stop.click(callbacks.stopped, None, compare_status, cancels=[compare_event], api_name="stop_compare",
                            concurrency_limit=None)
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")
