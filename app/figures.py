@@ -23,6 +23,11 @@ def _layout(fig: go.Figure, title: str, height: int = 360) -> go.Figure:
     return fig
 
 
+def short(value: float) -> str:
+    """A number in at most three significant digits, without an exponent below a million."""
+    return f"{value:,.0f}" if 1000 <= abs(value) < 1e6 else f"{value:.3g}"
+
+
 def empty_figure(message: str) -> go.Figure:
     """A blank figure carrying a centred message."""
     fig = go.Figure()
@@ -105,7 +110,7 @@ def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
                 values.append(raw * scale if scale is not None else 1000.0 / raw)
         for col, value in enumerate(values, start=1):
             reused = col == 3 and (stats or {}).get("prefill_reused")
-            text = "" if value is None else f"{value:.3g}" + (" (cache reused)" if reused else "")
+            text = "" if value is None else short(value) + (" (cache reused)" if reused else "")
             fig.add_trace(go.Bar(x=[name], y=[value], name=name, marker_color=colour, showlegend=col == 1,
                                  text=[text], textposition="auto"), row=1, col=col)
     device = " · ".join(v for v in ((tf or {}).get("device"), (tf or {}).get("dtype")) if v)
@@ -122,21 +127,23 @@ def cost_figure(rows: Sequence[dict], tokens_per_forward: float | None, referenc
     share of the decode time; `reference` rows (autoregressive) join the first two panels."""
     if not rows:
         return empty_figure("The cost of each level appears when the run has finished.").update_layout(height=160)
-    panels = ("ms per step", "MiB read per step (weights + KV cache)", "share of decode time")
-    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, subplot_titles=panels, horizontal_spacing=0.03)
+    panels = ("ms / step", "MiB read / step", "% of decode time")
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, subplot_titles=panels, horizontal_spacing=0.07)
     every = [*rows, *reference]
     labels = [row["level"] for row in every]
-    columns = (("ms_per_step", 1.0, "{:.3g} ms", every), ("bytes_per_step", 1 / 2**20, "{:.3g} MiB", every),
-               ("share", 100.0, "{:.0f} %", rows))
-    for col, (key, scale, pattern, shown) in enumerate(columns, start=1):
+    columns = (("ms_per_step", 1.0, " ms", every), ("bytes_per_step", 1 / 2**20, " MiB", every),
+               ("share", 100.0, " %", rows))
+    for col, (key, scale, unit, shown) in enumerate(columns, start=1):
         values = [None if row[key] is None else row[key] * scale for row in shown]
         fig.add_trace(go.Bar(
             y=labels[:len(shown)], x=values, orientation="h", showlegend=False,
             marker_color=[LEVEL_COLORS.get(row["key"], "#64748b") for row in shown],
-            text=["" if v is None else pattern.format(v) for v in values], textposition="auto",
+            text=["" if v is None else short(v) + unit for v in values], textposition="auto",
             customdata=[[row["steps"], row["ms"]] for row in shown],
-            hovertemplate="%{y}<br>%{customdata[0]} steps, %{customdata[1]:.1f} ms in all<extra></extra>"),
+            hovertemplate="%{y}<br>%{customdata[0]} steps, %{customdata[1]:.1f} ms in all (bytes read: the weights "
+                          "of one forward + the level's KV cache)<extra></extra>"),
             row=1, col=col)
     fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=labels)
     per_forward = f" · {tokens_per_forward:.2f} tokens per target forward" if tokens_per_forward else ""
+    fig.update_annotations(font_size=12)
     return _layout(fig, f"Cost per level of the last run{per_forward}", height=120 + 40 * len(labels))
