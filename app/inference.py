@@ -64,10 +64,14 @@ def loaded_infos() -> list[dict]:
 @gpu
 def _event_dicts(target: str | None, draft: str | None, document: str, instruction: str,
                  config: dict) -> Iterator[dict]:
-    """Generation events as plain dicts (safe to pickle out of a ZeroGPU worker)."""
+    """Generation events as plain dicts (safe to pickle out of a ZeroGPU worker); a Verdict also carries the text of
+    each proposed token (`proposed_texts`), for showing rejected drafts."""
     engine = load_engine(target, draft)
     for event in engine.generate(document, instruction, GenerationConfig(**config)):
-        yield event.to_dict()
+        data = event.to_dict()
+        if data["kind"] == "Verdict":
+            data["proposed_texts"] = [engine.tokenizer.decode([token]) for token in data["proposed"]]
+        yield data
 
 
 def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig) -> Iterator[dict]:

@@ -13,7 +13,7 @@ import transformers
 from core.autoregressive import autoregressive
 from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
-from core.drafters import DraftContext, Drafter, make_drafter
+from core.drafters import DraftContext, Drafter, ModelDrafter, make_drafter
 from core.events import Acceptance, Event, Finished, Loading, PrefillProgress, PromptReady, Stats
 from core.kvcache import CachePool, KVCache, reusable
 from core.levels import Level
@@ -41,6 +41,14 @@ def default_prefill_chunk(model: Transformer, budget: int | None = None) -> int:
     if budget is not None:
         free = min(free, budget - torch.cuda.memory_reserved(model.device))
     return max(2048, free // 2 // per_token)
+
+
+def step_weight_bytes(model: Transformer) -> int:
+    """Bytes of the weights one decode forward reads: every parameter but the embedding table (of which it reads a
+    row a token), unless that table is also the LM head."""
+    embedding = model.embed_tokens.weight
+    total = sum(p.nbytes for p in model.parameters())
+    return total if model.lm_head.weight is embedding else total - embedding.nbytes
 
 
 @dataclass
@@ -168,16 +176,19 @@ class Engine:
         n = len(out.ids)
         forwards = target.forwards - forwards_before
         counts = run.counts if run else Acceptance()
+        draft = run.drafter.level if run and isinstance(run.drafter, ModelDrafter) else None
         stats = Stats(
             method=cfg.method, new_tokens=n, prompt_tokens=len(ids), dropped_tokens=prompt.dropped_tokens,
             prefill_s=prefill_s, prefill_reused=progress.reused, decode_s=decode_s, warmup_s=warmup_s,
             tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
             time_to_first_token_s=(out.first_token_at or t1) - t0, target_forwards=forwards,
             tokens_per_target_forward=n / forwards if forwards else 0.0,
-            level1_steps=run.drafter.steps if run else 0,
+            level1_steps=run.drafter.steps if run else 0, drafter=run.drafter.name if run else "",
             level1_proposed=counts.level1_proposed, level1_accepted=counts.level1_accepted,
             level2_proposed=counts.level2_proposed, level2_accepted=counts.level2_accepted,
             cache_bytes=target.cache.nbytes, retrieval_cache_bytes=run.retrieval.cache.nbytes if run else 0,
+            level1_cache_bytes=draft.cache.nbytes if draft else 0, target_weight_bytes=step_weight_bytes(model),
+            level1_weight_bytes=step_weight_bytes(draft.model) if draft else 0,
             stop_reason=out.stop_reason, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
             settings=cfg.to_dict(), offloaded=placement.offloaded,
             host_link_bytes=getattr(target.cache, "moved", 0) - moved_before)

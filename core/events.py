@@ -149,8 +149,12 @@ class Stats(Acceptance):
     target_forwards: int
     tokens_per_target_forward: float
     level1_steps: int = 0  # forwards of a level-1 draft model
+    drafter: str = ""  # the level-1 drafter that ran (model, ngram, none; "" for autoregressive)
     cache_bytes: int = 0
     retrieval_cache_bytes: int = 0
+    level1_cache_bytes: int = 0  # the level-1 draft model's StreamingLLM cache
+    target_weight_bytes: int = 0  # weights one target forward reads (all but the embedding table unless tied)
+    level1_weight_bytes: int = 0  # the same for the level-1 draft model (0: none ran)
     stop_reason: str = ""
     device: str = ""
     dtype: str = ""
