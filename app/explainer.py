@@ -31,6 +31,15 @@ Speculative sampling accepts a draft token x with probability min(1, p(x)/q(x)) 
 residual max(p − q, 0), so the output follows the target's distribution exactly; with greedy decoding it is
 token-identical to plain autoregressive decoding (the *Compare* tab checks this).
 
+## When the KV cache does not fit the GPU
+A 7B model at 128K tokens holds about 64 GB of keys and values: more than a 24 GB card. Then (setting *Offload the
+full KV cache*: auto) the full cache lives in CPU memory and each full-cache forward streams it to the GPU one layer
+at a time, copying the next layer while the current one computes; weights, the retrieval cache and the draft stay on
+the GPU. A full-cache step then costs the cache's bytes over the CPU–GPU link (about 1.3 s for that 7B at 55 GB/s),
+which is exactly the step TriForce takes rarely: level 3 checks γ2 tokens per pass, while levels 1 and 2 read only
+GPU memory. This is the regime of the paper's largest speedups (4.9–7.8× on RTX 4090s). The status line says where
+each cache lives, and the stats give the bytes moved over the link per token.
+
 ## What the visuals show
 - **Answer:** each token coloured by where it came from: *{PROVENANCE_LABELS['draft']}* (proposed by level 1 and
   kept by both checks), *{PROVENANCE_LABELS['copy']}* (the same for a token level 1 copied from earlier in the text),

@@ -56,6 +56,8 @@ class RunState:
     max_new_tokens: int = 0
     chunk_size: int = 0
     chunk_texts: list[str] = field(default_factory=list)
+    offloaded: bool = False  # the full KV cache lives in CPU memory, streamed to the GPU layer by layer
+    caches: dict = field(default_factory=dict)  # cache name -> {"where": "GPU" | "CPU", "bytes": int}
     prefill_done: int = 0
     prefill_total: int = 0
     prefill_s: float = 0.0
@@ -187,6 +189,7 @@ def apply_event(state: RunState, ev: dict, now: float | None = None) -> RunState
                     "chunk_size"):
             setattr(state, key, int(ev[key]))
         state.chunk_texts = list(ev["chunk_texts"])
+        state.offloaded, state.caches = bool(ev.get("offloaded")), dict(ev.get("caches") or {})
         state.num_chunks = len(state.chunk_texts)
         state.prefill_total = state.prompt_tokens
         state.stage = "prefill"
@@ -240,7 +243,9 @@ def live_stats(state: RunState, now: float | None = None) -> dict:
                 "dropped_tokens": s.get("dropped_tokens", state.dropped_tokens),
                 "cache_bytes": s.get("cache_bytes"), "retrieval_cache_bytes": s.get("retrieval_cache_bytes"),
                 "stop_reason": s.get("stop_reason", ""), "device": s.get("device", ""), "dtype": s.get("dtype", ""),
-                "levels": level_costs(state), "finished": True}
+                "levels": level_costs(state), "offloaded": state.offloaded, "caches": state.caches,
+                "host_link_bytes_per_token": s.get("host_link_bytes", 0) / max(s.get("new_tokens", 0), 1),
+                "warmup_s": s.get("warmup_s", 0.0), "finished": True}
     n = len(state.token_ids)
     decode_s = now - state.prefill_ended if state.prefill_ended is not None else 0.0
     forwards = state.target_forwards
@@ -253,7 +258,8 @@ def live_stats(state: RunState, now: float | None = None) -> dict:
             "tokens_per_target_forward": n / forwards if forwards else None,
             "budget_pct_of_context": budget_pct, "prompt_tokens": state.prompt_tokens,
             "dropped_tokens": state.dropped_tokens, "cache_bytes": None, "retrieval_cache_bytes": None,
-            "stop_reason": "", "device": "", "dtype": "", "levels": [], "finished": False}
+            "stop_reason": "", "device": "", "dtype": "", "levels": [], "offloaded": state.offloaded,
+            "caches": state.caches, "host_link_bytes_per_token": None, "warmup_s": 0.0, "finished": False}
 
 
 LEVEL1_LABELS = {"model": "draft model + StreamingLLM cache", "ngram": "n-gram lookup in the text"}
@@ -277,8 +283,8 @@ def level_costs(state: RunState) -> list[dict]:
              state.level_ms[0], s.get("level1_weight_bytes", 0) + s.get("level1_cache_bytes", 0))]
         rows += [("level2", "level 2: target + retrieval cache", level2_steps, state.level_ms[1],
                   weights + s.get("retrieval_cache_bytes", 0)),
-                 ("level3", "level 3: target + full cache", s.get("target_forwards", 0), state.level_ms[2],
-                  weights + full),
+                 ("level3", "level 3: target + full cache" + (" (streamed from CPU memory)" if state.offloaded else ""),
+                  s.get("target_forwards", 0), state.level_ms[2], weights + full),
                  ("selection", "chunk selection", len(state.selection_rounds), state.selection_s * 1e3, None)]
     total_ms = sum(row[3] for row in rows)
     return [{"key": key, "level": name, "steps": steps, "ms": ms, "ms_per_step": ms / steps if steps else None,

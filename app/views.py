@@ -137,16 +137,28 @@ def stats_markdown(stats: dict) -> str:
         ("tokens per target forward", _fmt(stats.get("tokens_per_target_forward"), "{:.2f}")),
         ("budget / prompt", "100 % (whole prompt)" if (stats.get("budget_pct_of_context") or 0) >= 100
          else _fmt(stats.get("budget_pct_of_context"), "{:.1f} %")),
-        ("full KV cache", _fmt(stats["cache_bytes"] * mib if stats.get("cache_bytes") else None, "{:.1f} MiB")),
+        ("full KV cache" + (" (in CPU memory, streamed to the GPU)" if stats.get("offloaded") else ""),
+         _fmt(stats["cache_bytes"] * mib if stats.get("cache_bytes") else None, "{:.1f} MiB")),
         ("retrieval cache", _fmt(stats["retrieval_cache_bytes"] * mib if stats.get("retrieval_cache_bytes") else None,
                                  "{:.1f} MiB")),
     ]
+    if stats.get("host_link_bytes_per_token"):
+        rows.append(("CPU → GPU per token (host link)", f"{stats['host_link_bytes_per_token'] / 2**30:.2f} GiB"))
+    if stats.get("warmup_s"):
+        rows.append(("warm-up (CUDA graphs captured, not in decode time)", f"{stats['warmup_s']:.2f} s"))
     if stats.get("device"):
         rows.append(("device · dtype", f"{stats['device']} · {stats.get('dtype', '')}"))
     if stats.get("dropped_tokens"):
         rows.append(("tokens dropped (truncated)", str(stats["dropped_tokens"])))
     header = "| | " + ("final" if stats.get("finished") else "live") + " |\n|---|---|\n"
     return header + "\n".join(f"| {name} | {value} |" for name, value in rows)
+
+
+def placement_markdown(caches: dict) -> str:
+    """Where each cache lives (GPU / CPU memory) and its size, on one line."""
+    parts = [f"{name} {info['bytes'] / 2**30:.2f} GiB on the {info['where']}" for name, info in caches.items()]
+    return "🔀 The full KV cache does not fit the GPU's memory budget: it lives in CPU memory and is streamed to the " \
+           "GPU layer by layer at each level-3 (full-cache) step · " + " · ".join(parts)
 
 
 def status_markdown(state: RunState) -> str:
@@ -162,6 +174,8 @@ def status_markdown(state: RunState) -> str:
         line = f"▶️ Decoding: {len(state.pieces)} tokens"
     else:
         line = "⏳ Starting…"
+    if state.offloaded:
+        line += "\n\n" + placement_markdown(state.caches)
     if state.dropped_tokens:
         line += (f"\n\n⚠️ The document did not fit the context ({state.context_length:,} tokens): its middle "
                  f"{state.dropped_tokens:,} tokens were dropped (beginning and end kept).")

@@ -365,6 +365,24 @@ def test_stats_and_status_mention_truncation() -> None:
     assert "tokens dropped (truncated) | 1234" in stats_markdown(live_stats(state))
 
 
+def test_offloaded_run_says_where_caches_live_and_what_crosses_the_link() -> None:
+    state = RunState()
+    apply_event(state, prompt_event(4))
+    assert "CPU memory" not in status_markdown(state)
+    caches = {"full KV cache": {"where": "CPU", "bytes": 3 * 2**30}, "retrieval cache": {"where": "GPU", "bytes": 2**29}}
+    apply_event(state, {**prompt_event(4), "offloaded": True, "caches": caches})
+    status = status_markdown(state)
+    assert "lives in CPU memory" in status and "full KV cache 3.00 GiB on the CPU" in status
+    assert "retrieval cache 0.50 GiB on the GPU" in status
+    stats = {"new_tokens": 4, "host_link_bytes": 2 * 2**30, "target_forwards": 1, "cache_bytes": 3 * 2**30,
+             "warmup_s": 0.5, "drafter": "none"}
+    apply_event(state, {"kind": "Finished", "text": "", "token_ids": [1, 2, 3, 4], "prompt_ids": [], "stats": stats})
+    table = stats_markdown(live_stats(state))
+    assert "CPU → GPU per token (host link) | 0.50 GiB" in table and "in CPU memory, streamed" in table
+    assert "warm-up (CUDA graphs captured, not in decode time) | 0.50 s" in table
+    assert "streamed from CPU memory" in {r["key"]: r for r in level_costs(state)}["level3"]["level"]
+
+
 def test_a_budget_over_the_prompt_reads_whole_prompt() -> None:
     state = RunState()
     state.prompt_tokens, state.budget = 100, 140
