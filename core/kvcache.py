@@ -61,11 +61,6 @@ class KVCache:
         return self.k.shape[2]
 
     @property
-    def device_nbytes(self) -> int:
-        """Bytes this cache holds in the compute device's memory."""
-        return self.nbytes
-
-    @property
     def seq_len(self) -> int:
         """Number of sequence tokens this cache accounts for."""
         return self.start + self.used - self.head

@@ -36,10 +36,6 @@ class OffloadedKVCache(KVCache):
         pin = self.device.type == "cuda"  # page-locked: copies run at the link's speed and asynchronously
         return pinned_empty(shape, dtype, pin), pinned_empty(shape, dtype, pin)
 
-    @property
-    def device_nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.staging)
-
     def _side(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
