@@ -80,7 +80,7 @@ def measure(args: argparse.Namespace, engine: Engine, tp: TensorParallel | None)
     lengths = {name: args.ar_tokens if cfg.get("method") == "ar" else args.new_tokens for name, cfg in RUNS.items()}
     result: dict = {"world": tp.world if tp else 1, "context": args.context, "runs": {}}
     for offload in ("off", "on"):
-        for name, cfg in RUNS.items():  # a short prompt first: kernels compile outside the timed runs
+        for cfg in RUNS.values():  # a short prompt first: kernels compile outside the timed runs
             generate(engine, prompt[:2048], GenerationConfig(**cfg, max_new_tokens=8, offload=offload))
         for name, cfg in RUNS.items():
             key = f"{name}_{'offloaded' if offload == 'on' else 'on_chip'}"
