@@ -15,7 +15,7 @@ from core.config import GenerationConfig, TriForceError
 from core.engine import Engine
 from core.events import Finished
 from core.kvcache import KVCache
-from core.parallel import joined, launch, parallelize, shard
+from core.parallel import TensorParallel, joined, launch, parallelize, shard
 from core.prompting import Prompt
 from tests.stats import chi_square_p
 from tests.test_lossless import CFG, emitted_pairs, target_pairs, tiny_engine
@@ -113,6 +113,17 @@ def test_indivisible_shapes_are_refused(world, bad):
     with pytest.raises(TriForceError) as e:
         shard(model, 0, world)
     assert str(e.value) == f"tensor parallel over {world} processes needs {bad} divisible by {world}"
+
+
+def test_a_draft_keeps_whole_copies_of_the_layers_it_shared_with_the_target():
+    _, target = tiny_pair(tiny_config(), seed=0)
+    _, draft = tiny_pair(tiny_config(layers=1), seed=1)
+    draft.layers[0] = target.layers[0]  # as a distilled draft shares the target's first layers
+    whole = target.layers[0].self_attn.q_proj.weight.detach().clone()
+    parallelize(target, draft, TensorParallel(1, WORLD, torch.device("cpu"), None))
+    assert draft.layers[0] is not target.layers[0] and draft.layers[0].self_attn.args.n_heads == 4
+    assert torch.equal(draft.layers[0].self_attn.q_proj.weight, whole)
+    assert torch.equal(target.layers[0].self_attn.q_proj.weight, whole[32:])  # rank 1's two query heads
 
 
 def byte_model_dir(path: Path) -> Path:
