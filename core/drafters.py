@@ -12,6 +12,7 @@ from core.cuda_graphs import Graphs
 from core.kvcache import CachePool, StreamingCache
 from core.levels import Level
 from core.model import Transformer
+from core.parallel import agree
 from core.sampling import distributions, sample
 
 
@@ -165,8 +166,8 @@ class ModelDrafter:
             # the feature produced the token before `tokens`: it lies len(tokens) + 1 positions back
             logits = model.head(model.fusion(h, feature, len(tokens) + 1) if fuse else h)
             q = distributions(logits if ids is not None else self._align(logits), self.cfg)[0]
-            if self.cfg.draft_confidence and self._confidence(logits, q) < self.cfg.draft_confidence:
-                break  # stopping depends on the draft alone, so verification stays exact
+            if self.cfg.draft_confidence and agree(self._confidence(logits, q) < self.cfg.draft_confidence)[0]:
+                break  # stopping depends on the draft alone, so verification stays exact (rank 0's call: one path)
             x = sample(q, self.generator)
             tokens.append(int(ids[x]) if ids is not None else x)
             qs.append(q.new_zeros(self.vocab_size).index_copy_(0, ids, q) if ids is not None else q)

@@ -21,6 +21,7 @@ from core.loading import default_draft, device_and_dtype, load_draft, load_model
 from core.model import Transformer
 from core.offload import OffloadedKVCache
 from core.output import Output
+from core.parallel import TensorParallel, parallelize
 from core.placement import GiB, device_budget, plan
 from core.prompting import build_prompt, plain_ids
 from core.triforce import TriForce
@@ -70,26 +71,33 @@ class Engine:
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, device: str | None = None,
              dtype: str | None = None, context_length: int | None = None, rope_scaling: dict | None = None,
-             progress=None, cuda_graphs: bool = True, gpu_memory_gib: float | None = None) -> "Engine":
+             progress=None, cuda_graphs: bool = True, gpu_memory_gib: float | None = None,
+             tp: TensorParallel | None = None) -> "Engine":
         """Load (once per process for the same arguments) target and draft; None target = the embedded default,
         whose draft defaults to the one shipped in assets/draft ("" or "none": no draft model). `cuda_graphs`: replay
         decode steps on a GPU from CUDA graphs (off: launch them eagerly). `gpu_memory_gib`: the GPU memory runs may
-        use (enforced; default: all of it); a full KV cache beyond it is offloaded to CPU memory (offload=auto)."""
-        key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs, gpu_memory_gib)
+        use (enforced; default: all of it); a full KV cache beyond it is offloaded to CPU memory (offload=auto).
+        `tp`: this process is a rank of a tensor-parallel group: the models are loaded in CPU memory, the target cut
+        to this rank's shard and both moved to tp.device (`device` is ignored; no CUDA graphs)."""
+        key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs, gpu_memory_gib,
+               tp and tp.world)
         if key in _LOADED:
             return _LOADED[key]
-        dev, dt = device_and_dtype(device, dtype)
+        dev, dt = (tp.device, device_and_dtype(None, dtype)[1]) if tp else device_and_dtype(device, dtype)
+        home = torch.device("cpu") if tp else dev  # where the models are loaded
         if progress:
             progress(Loading("target", 0.0))
-        model, tok, src = load_model(target, dev, dt, rope_scaling)
+        model, tok, src = load_model(target, home, dt, rope_scaling)
         draft_model, draft_name = None, None
         draft = default_draft(target) if draft is None else None if draft in ("", "none") else draft
         if draft:
             if progress:
                 progress(Loading("draft", 0.5))
-            draft_model, draft_name = load_draft(draft, model, tok, src.name, dev, dt)
-        engine = cls.from_models(model, tok, src.name, draft_model, draft_name, context_length, cuda_graphs,
-                                 gpu_memory_gib)
+            draft_model, draft_name = load_draft(draft, model, tok, src.name, home, dt)
+        if tp:
+            parallelize(model, draft_model, tp)
+        engine = cls.from_models(model, tok, src.name, draft_model, draft_name, context_length,
+                                 cuda_graphs and not tp, gpu_memory_gib)
         if progress:
             progress(Loading("ready", 1.0))
         _LOADED[key] = engine
