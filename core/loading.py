@@ -3,6 +3,7 @@ transformers into the compact model."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -67,11 +68,22 @@ def resolve(source: str | None) -> Source:
     return Source(source, source)
 
 
+@functools.cache
+def _content_key(path: Path, size: int, mtime_ns: int) -> str:
+    """A digest of a file's bytes (computed once per file version in a process)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def _cache_dir(src: Source) -> Path:
-    """Where a GGUF's dequantised transformers checkpoint is kept, keyed by the file's path, size and mtime."""
-    f = Path(src.path) / src.gguf_file
+    """Where a GGUF's dequantised transformers checkpoint is kept, keyed by the file's content: one copy per model,
+    wherever (and in however many environments) the file lies."""
+    f = (Path(src.path) / src.gguf_file).resolve()
     st = f.stat()
-    key = hashlib.sha1(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = _content_key(f, st.st_size, st.st_mtime_ns)
     root = Path(os.environ.get("TRIFORCE_CACHE", Path.home() / ".cache" / "triforce-studio"))
     return root / f"{f.stem}-{key}"
 
