@@ -44,6 +44,11 @@ def _policies() -> tuple[str, ...]:
     return tuple(SELECTION_POLICIES)
 
 
+def _level2_caches() -> tuple[str, ...]:
+    from core.retrieval import LEVEL2_CACHES
+    return tuple(LEVEL2_CACHES)
+
+
 def parse_reselect(text: str | int) -> Reselect:
     """A re-selection setting from text: a policy name, or a whole number N (every N verifications)."""
     if isinstance(text, int) or (isinstance(text, str) and text.strip().isdigit()):
@@ -97,6 +102,9 @@ class GenerationConfig:
     reselect: Reselect = setting("once", "when to choose the retrieved chunks again: a policy or every N "
                                  "verifications", label="Re-select chunks", choices=_policies, parse=parse_reselect,
                                  low=1)
+    level2_cache: str = setting("retrieval", "level 2's cache of the prompt at the same budget: the retrieved chunks, "
+                                "or StreamingLLM's first sink_tokens and most recent tokens (the paper's ablation)",
+                                label="Level-2 cache", choices=_level2_caches)
     temperature: float = setting(0.6, "sampling temperature (0: greedy)", label="Temperature", low=0.0, high=2.0,
                                  step=0.05)
     top_p: float = setting(0.9, "nucleus sampling mass", label="Top-p", low=0.01, high=1.0, step=0.01)
@@ -107,8 +115,8 @@ class GenerationConfig:
     stop: list[str] = setting([], "stop string (repeatable)", label="Stop strings", app=False)
     overflow: str = setting("truncate", "a document longer than the context: drop its middle, or refuse",
                             label="Document longer than the context", choices=("truncate", "refuse"))
-    sink_tokens: int = setting(16, "StreamingLLM sink tokens of the level-1 cache", label="Draft sink tokens", low=1,
-                               high=4096)
+    sink_tokens: int = setting(16, "StreamingLLM sink tokens of the level-1 cache (and of level 2's with "
+                               "level2_cache streaming)", label="Sink tokens (StreamingLLM)", low=1, high=4096)
     window_tokens: int = setting(240, "StreamingLLM recent window of the level-1 cache", label="Draft window tokens",
                                  low=1, high=65536)
     ngram_max: int = setting(4, "longest n-gram the prompt lookup matches", label="Longest n-gram", low=1, high=64)

@@ -1,5 +1,6 @@
-"""Level 2's retrieval cache: chunk-mean keys, per layer and KV head the top-k chunks by query . mean key, gathered
-from the full cache, re-selected as a policy says."""
+"""Level 2's retrieval cache: chunk-mean keys, per layer and KV head the top-k chunks by query . mean key (or, as
+the paper's ablation, StreamingLLM's first and most recent chunks), gathered from the full cache, re-selected as a
+policy says."""
 
 from __future__ import annotations
 
@@ -78,6 +79,32 @@ def select_chunks(index: ChunkIndex, queries: torch.Tensor, n_select: int) -> to
     if index.num_chunks:
         scores[:, :, 0] = float("inf")  # the attention sink
     return scores.topk(n_select, dim=-1).indices.sort(dim=-1).values
+
+
+@dataclass
+class SinkAndRecent:
+    """StreamingLLM at the same budget: the first `sink_chunks` chunks and the most recent others, whatever the
+    queries (the paper's ablation of the retrieval cache)."""
+
+    sink_chunks: int
+
+    def __call__(self, index: ChunkIndex, queries: torch.Tensor, n_select: int) -> torch.Tensor:
+        """Chunk ids [layers, kv_heads, n_select], the same for every layer and KV head."""
+        sink = min(self.sink_chunks, n_select)
+        ids = torch.cat([torch.arange(sink), torch.arange(index.num_chunks - n_select + sink, index.num_chunks)])
+        return ids.to(index.mean_keys.device).expand(*index.mean_keys.shape[:2], -1)
+
+
+class ChunkSelector(Protocol):
+    """Sorted chunk ids [layers, kv_heads, n_select] for level 2's cache, given the level-3 queries."""
+
+    def __call__(self, index: ChunkIndex, queries: torch.Tensor, n_select: int) -> torch.Tensor: ...
+
+
+LEVEL2_CACHES: dict[str, Callable[[GenerationConfig], ChunkSelector]] = {
+    "retrieval": lambda cfg: select_chunks,
+    "streaming": lambda cfg: SinkAndRecent(-(-cfg.sink_tokens // cfg.chunk_size)),
+}
 
 
 def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, into: KVCache,
@@ -161,6 +188,7 @@ class Retrieval:
                  index_device: torch.device | None = None):
         self.full, self.cfg, self.ops = full, cfg, ops
         self.policy = selection_policy(cfg.reselect)
+        self.selector = LEVEL2_CACHES[cfg.level2_cache](cfg)
         self.index = ChunkIndex.build(full, full.seq_len, cfg.chunk_size, index_device)
         self.n_select = chunks_to_keep(self.index, cfg.budget)
         self.cache = retrieval_cache(full, self.index, cfg.budget, cfg.max_new_tokens + cfg.gamma1 + cfg.gamma2 + 2,
@@ -170,7 +198,7 @@ class Retrieval:
     def select(self, queries: list[torch.Tensor], row: int, round_: int, position: int) -> RetrievalSelection:
         """Pick chunks with the level-3 queries recorded at `row` (per layer [Hkv, rows, D]) and gather them."""
         t0 = time.perf_counter()
-        ids = select_chunks(self.index, torch.stack([q[:, row] for q in queries]), self.n_select)
+        ids = self.selector(self.index, torch.stack([q[:, row] for q in queries]), self.n_select)
         gather_selection(self.full, self.index, ids, self.cache, self.ops)
         return RetrievalSelection(round_, position, self.cfg.chunk_size, self.index.num_chunks, self.index.length,
                                   self.cfg.budget, ids.tolist(), time.perf_counter() - t0, self.cache.nbytes)

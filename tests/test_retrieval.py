@@ -1,10 +1,12 @@
-"""Retrieval selection equals a brute-force reference; a budget covering the prompt equals full attention."""
+"""Retrieval selection equals a brute-force reference; the streaming ablation keeps the sink and the most recent
+chunks; a budget covering the prompt equals full attention."""
 
 import pytest
 import torch
 
+from core.config import GenerationConfig
 from core.kvcache import KVCache
-from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.retrieval import LEVEL2_CACHES, ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
 
 LAYERS, HQ, HKV, D = 3, 6, 2, 8
 
@@ -55,6 +57,16 @@ def test_selection_matches_brute_force(length, cs, budget):
             assert retrieval.head == len(tokens)
             torch.testing.assert_close(retrieval.k[layer, h, :len(tokens)], cache.k[layer, h, tokens])
             torch.testing.assert_close(retrieval.v[layer, h, :len(tokens)], cache.v[layer, h, tokens])
+
+
+def test_streaming_keeps_sink_and_recent_chunks():
+    cache, q = filled_cache(203, seed=1)
+    index = ChunkIndex.build(cache, 203, 8)  # 25 chunks and a tail of 3 tokens (kept apart, as for retrieval)
+    select = LEVEL2_CACHES["streaming"](GenerationConfig(sink_tokens=12, chunk_size=8))  # 12 tokens: 2 chunks
+    queries = q.view(LAYERS, HKV, HQ // HKV, D).sum(2)
+    assert select(index, queries, 10).tolist() == [[[0, 1, *range(17, 25)]] * HKV] * LAYERS
+    assert select(index, queries, 25).tolist() == [[list(range(25))] * HKV] * LAYERS
+    assert select(index, queries, 1).tolist() == [[[0]] * HKV] * LAYERS
 
 
 def test_budget_covering_prompt_equals_full_attention():
