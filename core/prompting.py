@@ -123,9 +123,9 @@ def document_fit(tokenizer, document: str, instruction: str, context_length: int
     question, _, question_tokens, exact = count_tokens(tokenizer, instruction.strip(), context_length)
     room = context_length - max_new_tokens - template - question_tokens
     if room < MIN_ROOM:
-        raise TriForceError(f"the question is too long: {'' if exact else 'about '}{question_tokens:,} tokens, and at "
-                            f"most {question_tokens + room - MIN_ROOM:,} fit the model's {context_length}-token context "
-                            f"beside a document and {max_new_tokens} answer tokens; shorten it")
+        raise TriForceError(f"the question is too long: {'' if exact else 'about '}{question_tokens:,} tokens, and "
+                            f"at most {question_tokens + room - MIN_ROOM:,} fit the model's {context_length}-token "
+                            f"context beside a document and {max_new_tokens} answer tokens; shorten it")
     head, tail, total, exact = count_tokens(tokenizer, document, room)
     return Fit(before, between, question, after, head, tail, total, exact, room,
                plain_ids(tokenizer, TRUNCATION_MARKER))
