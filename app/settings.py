@@ -3,8 +3,10 @@ generation events skip Gradio's preprocessing, so a value of any type arrives he
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import math
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -77,16 +79,20 @@ def build_panel(values: Mapping[str, Any] | None = None, notes: Mapping[str, str
 
 
 def _number(label: str, raw: Any, whole: bool) -> int | float:
-    """A number from a widget or API value (text included); anything else raises TriForceError."""
-    want = "a whole number" if whole else "a number"
+    """A number from a widget or API value (text included), whole numbers kept exact at any size; anything else,
+    NaN and infinities included, raises TriForceError."""
+    refusal = TriForceError(f"{label} must be {'a whole number' if whole else 'a number'}, got {raw!r}.")
     if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-        raise TriForceError(f"{label} must be {want}, got {raw!r}.")
+        raise refusal
+    if whole and isinstance(raw, (int, str)):
+        with contextlib.suppress(ValueError):
+            return int(raw)
     try:
         number = float(raw)
     except ValueError:
-        raise TriForceError(f"{label} must be {want}, got {raw!r}.") from None
-    if whole and not number.is_integer():
-        raise TriForceError(f"{label} must be {want}, got {raw!r}.")
+        raise refusal from None
+    if not math.isfinite(number) or (whole and not number.is_integer()):
+        raise refusal
     return int(number) if whole else number
 
 

@@ -162,11 +162,14 @@ def test_build_config_reads_text_blanks_and_defaults() -> None:
                                        "reselect": " once ", "document": "ignored"})
     assert (config.budget, config.gamma2, config.max_new_tokens, config.temperature) == (256, None, 32, 0.5)
     assert build_config("triforce", {}) == GenerationConfig().validate()  # a missing setting keeps its default
+    top = 2**63 - 1  # the largest seed, exact as a number and as text (a float would round it past the limit)
+    assert build_config("triforce", {"seed": top}).seed == build_config("triforce", {"seed": str(top)}).seed == top
     for name, raw, message in (("max_new_tokens", "many", "Max new tokens must be a whole number, got 'many'"),
                                ("temperature", "hot", "Temperature must be a number"),
                                ("budget", "12.5", "whole number"), ("greedy", "yes", "true or false"),
                                ("reselect", "sometimes", "once, every_verify or a whole number"),
-                               ("seed", [1], "whole number"), ("max_new_tokens", "", "empty")):
+                               ("seed", [1], "whole number"), ("max_new_tokens", "", "empty"),
+                               ("temperature", "nan", "must be a number"), ("top_p", float("inf"), "must be a number")):
         with pytest.raises(TriForceError, match=message) as err:
             build_config("triforce", {name: raw})
         assert "\n" not in str(err.value)

@@ -126,7 +126,7 @@ def browser_json(monkeypatch) -> None:
 def run_kwargs(**overrides) -> dict:
     """/triforce arguments: the embedded model, tiny settings."""
     return {"document": DOC, "instruction": QUESTION, "preset_name": EMBEDDED, "max_new_tokens": 4, "budget": 64,
-            "chunk_size": 8, "gamma1": 2, "gamma2": 6, "drafter": "auto", "reselect": "once", "reselect_every": 8,
+            "chunk_size": 8, "gamma1": 2, "gamma2": 6, "drafter": "auto", "reselect": "once",
             "temperature": 0.6, "top_p": 0.9, "seed": 0, "greedy": True, "overflow": "truncate", **overrides}
 
 
@@ -135,8 +135,8 @@ APP_REFUSALS = [
     ({"document": DOC + "\udfff"}, "document contains an invalid character"),
     ({"document": "x" * (MAX_DOCUMENT_CHARS + 1)}, "characters; the limit is 2,000,000"),
     ({"instruction": "Why? " * 20_000}, "question is too long"),
-    ({"max_new_tokens": "four"}, "max new tokens must be a whole number, got 'four'"),
-    ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+    ({"max_new_tokens": "four"}, "Max new tokens must be a whole number, got 'four'"),
+    ({"temperature": "hot"}, "Temperature must be a number, got 'hot'"),
     ({"seed": 2**63}, "seed must be between 0 and 9223372036854775807"),
     ({"chunk_size": 0}, "chunk_size must be between 1 and 64, got 0"),
     ({"preset_name": CUSTOM}, "needs its own Python code (trust_remote_code)"),
