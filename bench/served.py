@@ -1,0 +1,231 @@
+"""The served app driven as a visitor drives it: `python app.py` in a process of its own, called over HTTP through
+gradio_client. Two parts:
+
+gpu   what the Compare tab shows on a GPU: the first and the second greedy click on the same ~8K-token document,
+      then a sampled click (T 0.6 / top-p 0.9); beside them the same generations through Engine.generate in this
+      process, so the app's share of the cost is visible (app tokens/s over the engine's). The figures go to the
+      GPU's result file under summary.app_gpu.
+      python -m bench.served gpu --target DIR [--draft assets/draft] [--doc-tokens 8000] [--new-tokens 128]
+      python -m bench.served gpu --random smollm2_135m --tokenizer DIR   # random bf16 weights at that shape
+soak  N mixed runs (TriForce and Compare, greedy and sampled, varied document sizes and budgets, a refused input
+      every tenth run) against the embedded model on the CPU; the server's RSS is sampled after each run and must
+      end within 20 % of its level after the first 10 runs.
+      python -m bench.served soak [--runs 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from app.presets import CUSTOM, EMBEDDED
+from bench.common import DOCS, SHAPES, GpuResults, environment, finish, save
+from core import Engine, GenerationConfig
+
+ROOT = Path(__file__).parent.parent
+DOCUMENT = "pride_and_prejudice.txt"
+QUESTION = "Summarise what has happened so far, naming the main characters."
+SAMPLED = {"greedy": False, "temperature": 0.6, "top_p": 0.9}
+
+
+@contextlib.contextmanager
+def serving(env: dict[str, str], log: Path, timeout_s: float = 600) -> Iterator[tuple[object, int]]:
+    """`python app.py` on a free local port with `env` added; yields a gradio_client Client and the server's pid once
+    it answers (it loads its default model first); the server is stopped on exit."""
+    from gradio_client import Client
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=ROOT, stdout=out,
+                                  stderr=subprocess.STDOUT, env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the app exited ({server.returncode}): {log.read_text()[-2000:]}")
+            try:
+                client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+                break
+            except Exception:  # not serving yet
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the app did not serve within {timeout_s:.0f} s: {log.read_text()[-2000:]}")
+                time.sleep(1)
+        yield client, server.pid
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process in MiB (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def compare(client, document: str, preset: str, **settings) -> dict:
+    """One Compare click (settings not given keep the panel's defaults); returns its summary (speedup, both runs'
+    stats)."""
+    outputs = client.predict(document=document, instruction=QUESTION, preset_name=preset, **settings,
+                             api_name="/compare")
+    return outputs[7]
+
+
+def random_model_dir(shape: str, tokenizer: str, out: Path) -> Path:
+    """A model directory with random bf16 weights at a named shape (its context cut to the embedded model's 8K) and
+    the tokenizer of the directory `tokenizer`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SHAPES[shape], "max_position_embeddings": 8192})
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
+    return out
+
+
+def engine_tok_s(engine: Engine, document: str, cfg: GenerationConfig) -> dict:
+    """Tokens/s and acceptances of one generation through Engine.generate (after a warm-up run)."""
+    finish(engine, document, QUESTION, cfg)
+    s = finish(engine, document, QUESTION, cfg).stats
+    return {"tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens, "level1_acceptance": s.level1_acceptance,
+            "level2_acceptance": s.level2_acceptance, "tokens_per_target_forward": s.tokens_per_target_forward}
+
+
+def brief(summary: dict) -> dict:
+    """The figures of a Compare summary worth keeping."""
+    keep = ("tokens_per_s", "new_tokens", "prompt_tokens", "prefill_s", "time_to_first_token_s", "warmup_s",
+            "level1_acceptance", "level2_acceptance", "tokens_per_target_forward", "device", "dtype")
+    return {"speedup": summary["speedup"], "identical": summary["identical"],
+            **{f"{run}_{key}": summary[run].get(key) for run in ("ar", "triforce") for key in keep}}
+
+
+def gpu(args: argparse.Namespace) -> None:
+    """First/second greedy and sampled Compare clicks through the served app, then the engine's own figures."""
+    work = Path(tempfile.mkdtemp(prefix="served-"))
+    target = str(random_model_dir(args.random, args.tokenizer, work / "target")) if args.random else args.target
+    env = {"TRIFORCE_TARGET": target, **({"TRIFORCE_DRAFT": args.draft} if args.draft else {})}
+    cuda = torch.cuda.is_available()
+    results = GpuResults(args.out, ["app_gpu"]) if cuda else None
+    common = {"max_new_tokens": args.new_tokens, "overflow": "truncate", "seed": 0}
+    rows: dict = {"target": f"random bf16 weights at the {args.random} shape" if args.random else target,
+                  "draft": args.draft, "new_tokens": args.new_tokens, "document": DOCUMENT}
+
+    def record() -> None:
+        print({k: v for k, v in rows.items() if not isinstance(v, dict)}, flush=True)
+        if results is not None:
+            results.data["app_gpu"] = rows
+            results.save()
+
+    started = time.monotonic()
+    with serving(env, work / "app.log") as (client, pid):
+        rows["app_start_s"] = time.monotonic() - started
+        engine = Engine.load(target, args.draft)  # this process's copy: the document cut, then the direct runs
+        ids = engine.tokenizer((DOCS / DOCUMENT).read_text(), add_special_tokens=False)["input_ids"]
+        document = engine.tokenizer.decode(ids[:args.doc_tokens])
+        for name, overrides in (("first_click", {"greedy": True}), ("second_click", {"greedy": True}),
+                                ("sampled", SAMPLED)):
+            t0 = time.monotonic()
+            rows[name] = {**brief(compare(client, document, CUSTOM, **common, **overrides)),
+                          "wall_s": time.monotonic() - t0}
+            print(name, rows[name], flush=True)
+            record()
+        rows["app_rss_mib"] = rss_mib(pid)
+    for method in ("ar", "triforce"):
+        cfg = GenerationConfig(method=method, max_new_tokens=args.new_tokens, **SAMPLED).validate()
+        rows[f"engine_sampled_{method}"] = engine_tok_s(engine, document, cfg)
+    sampled = rows["sampled"]
+    for method, key in (("ar", "ar_tokens_per_s"), ("triforce", "triforce_tokens_per_s")):
+        rows[f"app_over_engine_sampled_{method}"] = sampled[key] / rows[f"engine_sampled_{method}"]["tokens_per_s"]
+    rows["summary"] = {"first_click_speedup": rows["first_click"]["speedup"],
+                       "second_click_speedup": rows["second_click"]["speedup"],
+                       "sampled_speedup_8k": sampled["speedup"],
+                       "sampled_tf_tok_s_8k": sampled["triforce_tokens_per_s"],
+                       "sampled_ar_tok_s_8k": sampled["ar_tokens_per_s"]}
+    if results is not None:
+        results.summary["app_gpu"] = rows["summary"]
+    record()
+    if results is None:
+        print(save("served-gpu", {**environment(), **rows}))
+
+
+def soak(args: argparse.Namespace) -> None:
+    """Mixed runs through the served app (embedded model, CPU), the server's RSS after each."""
+    from gradio_client.exceptions import AppError
+
+    rng = random.Random(0)
+    text = (DOCS / DOCUMENT).read_text()
+    work = Path(tempfile.mkdtemp(prefix="soak-"))
+    samples, failures = [], []
+    with serving({"TRIFORCE_TARGET": "", "CUDA_VISIBLE_DEVICES": ""}, work / "app.log") as (client, pid):
+        base = rss_mib(pid)
+        started = time.monotonic()
+        for run in range(args.runs):
+            start = rng.randrange(0, len(text) - 40_000)
+            document = text[start:start + rng.choice((2_000, 8_000, 20_000, 30_000))]
+            overrides = {"max_new_tokens": rng.choice((4, 8, 16)), "budget": rng.choice((64, 256, 1024, 4096)),
+                         "seed": run, **rng.choice(({"greedy": True}, SAMPLED))}
+            endpoint = rng.choice(("/triforce", "/compare"))
+            if run % 10 == 9:  # a refused input: the server must say why and go on
+                overrides["temperature"] = "hot"
+            try:
+                client.predict(document=document, instruction=QUESTION, preset_name=EMBEDDED, **overrides,
+                               api_name=endpoint)
+                if run % 10 == 9:
+                    failures.append(f"run {run}: a bad temperature was accepted")
+            except AppError as err:
+                if run % 10 != 9:
+                    failures.append(f"run {run}: {err}")
+            samples.append(rss_mib(pid))
+            if run % 10 == 9:
+                print(f"run {run + 1}/{args.runs}: RSS {samples[-1]:.0f} MiB "
+                      f"({time.monotonic() - started:.0f} s)", flush=True)
+    after10 = samples[min(9, len(samples) - 1)]
+    growth = samples[-1] / after10 - 1
+    payload = {**environment(), "runs": args.runs, "rss_start_mib": base, "rss_after_10_mib": after10,
+               "rss_peak_mib": max(samples), "rss_end_mib": samples[-1], "growth_after_10": growth,
+               "within_20_percent": growth <= 0.2, "failures": failures, "rss_mib": samples,
+               "seconds": time.monotonic() - started}
+    print(f"RSS after 10 runs {after10:.0f} MiB, peak {max(samples):.0f}, end {samples[-1]:.0f} "
+          f"({growth:+.1%}); {len(failures)} unexpected outcomes")
+    print(save("soak", payload))
+    if failures or growth > 0.2:
+        sys.exit(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parts = parser.add_subparsers(dest="part", required=True)
+    g = parts.add_parser("gpu", help="first/second/sampled Compare clicks through the served app")
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--target", help="model directory or hub id the app serves")
+    source.add_argument("--random", choices=sorted(SHAPES), help="serve random weights at this shape (with --tokenizer)")
+    g.add_argument("--tokenizer", help="tokenizer directory for --random")
+    g.add_argument("--draft", default="assets/draft")
+    g.add_argument("--doc-tokens", type=int, default=8000)
+    g.add_argument("--new-tokens", type=int, default=128)
+    g.add_argument("--out", help="result file (default: the GPU's bench/results file)")
+    s = parts.add_parser("soak", help="mixed runs through the served app, RSS sampled")
+    s.add_argument("--runs", type=int, default=200)
+    args = parser.parse_args()
+    {"gpu": gpu, "soak": soak}[args.part](args)
+
+
+if __name__ == "__main__":
+    main()
