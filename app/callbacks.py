@@ -22,7 +22,7 @@ from app.state import RunState, apply_event, live_stats
 from app.views import answer_pieces, document_view, stats_for, stats_markdown, status_markdown, timeline_html
 
 PLOT_INTERVAL_S = 0.25  # heatmap and document view: at most 4 updates per second
-TEXT_INTERVAL_S = 0.05  # answer, stats and status: at most 20 updates per second
+TEXT_INTERVAL_S = 0.1  # answer, stats and status: at most 10 updates per second
 GENERIC_INSTRUCTIONS = ("Summarise the document in a few sentences.", "Continue the text.")
 
 
@@ -232,8 +232,9 @@ def run_compare(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[di
 
     show = values.get("show_rejected") is not False
 
-    def frame(note: str, with_plot: bool = True) -> dict[str, Any]:
-        """All Compare outputs for the current progress; charts, timeline and verdict only when `with_plot`."""
+    def frame(note: str, with_plot: bool = True, with_costs: bool = False) -> dict[str, Any]:
+        """All Compare outputs for the current progress; charts, timeline and verdict only when `with_plot`, the
+        per-level costs (known once both runs finished) only `with_costs`."""
         ar_stats, tf_stats = live_stats(runs["ar"]), live_stats(runs["triforce"])
         out = {"compare_status": note, "ar_answer": answer_pieces(runs["ar"]),
                "tf_answer": answer_pieces(runs["triforce"], show), "ar_stats": stats_markdown(ar_stats),
@@ -241,12 +242,13 @@ def run_compare(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[di
         if with_plot:
             verdict, summary = comparison_summary(runs["ar"], runs["triforce"], is_greedy)
             out |= {"bars": compare_bars(ar_stats, tf_stats), "tf_timeline": timeline_html(runs["triforce"]),
-                    "compare_costs": cost_figure(tf_stats["levels"], tf_stats["tokens_per_target_forward"],
-                                                 ar_stats["levels"]),
                     "verdict": verdict, "compare_json": summary}
+        if with_costs:
+            out["compare_costs"] = cost_figure(tf_stats["levels"], tf_stats["tokens_per_target_forward"],
+                                               ar_stats["levels"])
         return out
 
-    yield frame("⏳ Starting…")
+    yield frame("⏳ Starting…", with_costs=True)
     plot_gate = Throttle(PLOT_INTERVAL_S)
     for method, label in (("ar", "Autoregressive"), ("triforce", "TriForce")):
         for kind in _stream(chosen, values["document"], values["instruction"], configs[method], runs[method],
@@ -254,7 +256,7 @@ def run_compare(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[di
             now = time.monotonic()
             if gate.due(now, kind == "Finished"):
                 yield frame(f"{label}: {status_markdown(runs[method])}", plot_gate.due(now, kind == "Finished"))
-    yield frame("✅ Both runs finished.")
+    yield frame("✅ Both runs finished.", with_costs=True)
 
 
 def describe_engines() -> str:

@@ -1,13 +1,18 @@
 """Plotly figures: the retrieval heatmap (chunk × step or chunk × layer), the Compare bar chart, the cost per
-level."""
+level. They are redrawn several times a second while a run streams, in the process that decodes, so each is
+written as plotly's figure JSON and wrapped without validation (plotly validating a figure and copying its template
+cost 25-50 ms a figure; this takes under 1 ms); subplot grids come from make_subplots, once per shape."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import html
 from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from app.state import RunState, bin_max, compact_dtype
@@ -17,11 +22,31 @@ HEATMAP_MODES = ("chunk × decoding step", "chunk × layer (current selection)")
 SNIPPET_CHARS = 60
 
 
-def _layout(fig: go.Figure, title: str, height: int = 360) -> go.Figure:
-    """Shared compact look."""
-    fig.update_layout(title={"text": title, "font": {"size": 14}}, template="plotly_white", height=height,
-                      margin={"l": 60, "r": 20, "t": 40, "b": 40})
-    return fig
+@functools.cache
+def _template() -> dict:
+    """The plotly_white template as figure JSON, read once."""
+    return pio.templates["plotly_white"].to_plotly_json()
+
+
+@functools.cache
+def _grid(titles: tuple[str, ...], shared_yaxes: bool = False, spacing: float | None = None) -> dict:
+    """The layout of a one-row subplot grid with these titles (axes domains, title annotations), made once."""
+    layout = make_subplots(rows=1, cols=len(titles), subplot_titles=titles, shared_yaxes=shared_yaxes,
+                           horizontal_spacing=spacing).layout.to_plotly_json()
+    layout.pop("template", None)
+    return layout
+
+
+def _axes(col: int) -> dict:
+    """A trace's axes in column `col` (1-based) of a grid."""
+    return {"xaxis": "x" if col == 1 else f"x{col}", "yaxis": "y" if col == 1 else f"y{col}"}
+
+
+def _figure(data: list[dict], title: str, height: int = 360, layout: dict | None = None) -> go.Figure:
+    """A figure from trace dicts and layout entries, in the shared compact look, unvalidated (see the module note)."""
+    layout = {**(layout or {}), "title": {"text": title, "font": {"size": 14}}, "template": _template(),
+              "height": height, "margin": {"l": 60, "r": 20, "t": 40, "b": 40}}
+    return go.Figure({"data": data, "layout": layout}, _validate=False)
 
 
 def short(value: float) -> str:
@@ -29,13 +54,11 @@ def short(value: float) -> str:
     return f"{value:,.0f}" if 1000 <= abs(value) < 1e6 else f"{value:.3g}"
 
 
-def empty_figure(message: str) -> go.Figure:
+def empty_figure(message: str, height: int = 360) -> go.Figure:
     """A blank figure carrying a centred message."""
-    fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return _layout(fig, "")
+    return _figure([], "", height, {"annotations": [{"text": message, "showarrow": False, "x": 0.5, "y": 0.5,
+                                                    "xref": "paper", "yref": "paper"}],
+                                   "xaxis": {"visible": False}, "yaxis": {"visible": False}})
 
 
 def column_labels(state: RunState) -> list[str]:
@@ -61,16 +84,16 @@ def pick_rows(n: int, max_rows: int = MAX_ROWS) -> np.ndarray:
 def _heatmap(z: np.ndarray, labels: list[str], y: list, y_title: str, zmax: int, title: str,
              hover_what: str) -> go.Figure:
     """A chunk heatmap with token-position ticks on x."""
-    fig = go.Figure(go.Heatmap(
-        z=z, x=labels, y=y, zmin=0, zmax=max(zmax, 1), colorscale="Viridis",
-        colorbar={"title": {"text": hover_what, "side": "right"}, "thickness": 12},
-        hovertemplate="%{x}<br>" + y_title + " %{y}<br>" + hover_what + ": %{z}<extra></extra>"))
+    heatmap = {"type": "heatmap", "z": z, "x": labels, "y": y, "zmin": 0, "zmax": max(zmax, 1),
+               "colorscale": "Viridis", "colorbar": {"title": {"text": hover_what, "side": "right"}, "thickness": 12},
+               "hovertemplate": "%{x}<br>" + y_title + " %{y}<br>" + hover_what + ": %{z}<extra></extra>"}
     step = max(1, len(labels) // 8)
-    fig.update_xaxes(type="category", tickmode="array", tickvals=labels[::step],
-                     ticktext=[lab.split(" · ")[1].split("–")[0].replace("tokens ", "tok ") for lab in labels[::step]],
-                     title="document position")
-    fig.update_yaxes(title=y_title, type="category", autorange="reversed" if y_title == "layer" else True)
-    return _layout(fig, title)
+    ticks = [lab.split(" · ")[1].split("–")[0].replace("tokens ", "tok ") for lab in labels[::step]]
+    return _figure([heatmap], title, layout={
+        "xaxis": {"type": "category", "tickmode": "array", "tickvals": labels[::step], "ticktext": ticks,
+                  "title": {"text": "document position"}},
+        "yaxis": {"title": {"text": y_title}, "type": "category",
+                  "autorange": "reversed" if y_title == "layer" else True}})
 
 
 def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figure:
@@ -101,7 +124,7 @@ def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
     TriForce, titled with the device and dtype they ran on."""
     metrics = (("decode: tokens/s", "tokens_per_s", 1.0), ("decode: ms per token", "tokens_per_s", None),
                ("prefill (s)", "prefill_s", 1.0), ("time to first token (s)", "time_to_first_token_s", 1.0))
-    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[m[0] for m in metrics])
+    data = []
     for name, stats, colour in (("autoregressive", ar, "#9ca3af"), ("TriForce", tf, "#2563eb")):
         values = []
         for _, key, scale in metrics:
@@ -113,11 +136,11 @@ def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
         for col, value in enumerate(values, start=1):
             reused = col == 3 and (stats or {}).get("prefill_reused")
             text = "" if value is None else short(value) + (" (cache reused)" if reused else "")
-            fig.add_trace(go.Bar(x=[name], y=[value], name=name, marker_color=colour, showlegend=col == 1,
-                                 text=[text], textposition="auto"), row=1, col=col)
+            data.append({"type": "bar", "x": [name], "y": [value], "name": name, "marker": {"color": colour},
+                         "showlegend": col == 1, "text": [text], "textposition": "auto", **_axes(col)})
     device = " · ".join(v for v in ((tf or {}).get("device"), (tf or {}).get("dtype")) if v)
-    return _layout(fig, "Autoregressive vs TriForce (same input and seed" + (f", on {device})" if device else ")"),
-                   height=320)
+    return _figure(data, "Autoregressive vs TriForce (same input and seed" + (f", on {device})" if device else ")"),
+                   320, copy.deepcopy(_grid(tuple(m[0] for m in metrics))))
 
 
 LEVEL_COLORS = {"level1": "#22c55e", "level2": "#f59e0b", "level3": "#ef4444", "selection": "#a78bfa",
@@ -128,24 +151,25 @@ def cost_figure(rows: Sequence[dict], tokens_per_forward: float | None, referenc
     """The finished run's cost per level: milliseconds and MiB read (weights + KV cache) per step, and each level's
     share of the decode time; `reference` rows (autoregressive) join the first two panels."""
     if not rows:
-        return empty_figure("The cost of each level appears when the run has finished.").update_layout(height=160)
-    panels = ("ms / step", "MiB read / step", "% of decode time")
-    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, subplot_titles=panels, horizontal_spacing=0.07)
+        return empty_figure("The cost of each level appears when the run has finished.", height=160)
+    layout = copy.deepcopy(_grid(("ms / step", "MiB read / step", "% of decode time"), True, 0.07))
+    data = []
     every = [*rows, *reference]
     labels = [row["level"] for row in every]
     columns = (("ms_per_step", 1.0, " ms", every), ("bytes_per_step", 1 / 2**20, " MiB", every),
                ("share", 100.0, " %", rows))
     for col, (key, scale, unit, shown) in enumerate(columns, start=1):
         values = [None if row[key] is None else row[key] * scale for row in shown]
-        fig.add_trace(go.Bar(
-            y=labels[:len(shown)], x=values, orientation="h", showlegend=False,
-            marker_color=[LEVEL_COLORS.get(row["key"], "#64748b") for row in shown],
-            text=["" if v is None else short(v) + unit for v in values], textposition="auto",
-            customdata=[[row["steps"], row["ms"]] for row in shown],
-            hovertemplate="%{y}<br>%{customdata[0]} steps, %{customdata[1]:.1f} ms in all (bytes read: the weights "
-                          "of one forward + the level's KV cache)<extra></extra>"),
-            row=1, col=col)
-    fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=labels)
+        data.append({
+            "type": "bar", "y": labels[:len(shown)], "x": values, "orientation": "h", "showlegend": False,
+            "marker": {"color": [LEVEL_COLORS.get(row["key"], "#64748b") for row in shown]},
+            "text": ["" if v is None else short(v) + unit for v in values], "textposition": "auto",
+            "customdata": [[row["steps"], row["ms"]] for row in shown],
+            "hovertemplate": "%{y}<br>%{customdata[0]} steps, %{customdata[1]:.1f} ms in all (bytes read: the "
+                             "weights of one forward + the level's KV cache)<extra></extra>", **_axes(col)})
+    for name in [key for key in layout if key.startswith("yaxis")]:
+        layout[name] |= {"autorange": "reversed", "categoryorder": "array", "categoryarray": labels}
+    for annotation in layout["annotations"]:
+        annotation["font"] = {"size": 12}
     per_forward = f" · {tokens_per_forward:.2f} tokens per target forward" if tokens_per_forward else ""
-    fig.update_annotations(font_size=12)
-    return _layout(fig, f"Cost per level of the last run{per_forward}", height=120 + 40 * len(labels))
+    return _figure(data, f"Cost per level of the last run{per_forward}", 120 + 40 * len(labels), layout)

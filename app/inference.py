@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 try:  # ZeroGPU: the `spaces` package must be imported before torch; off a Space its decorator does nothing.
@@ -22,6 +23,8 @@ from app.presets import Preset
 
 _RUN_LOCK = threading.Lock()  # one generation at a time, even while a cancelled run's last step finishes
 _DONE = object()  # the end of a generation's event queue
+HANDOVER_S = 0.02  # events go to the app in batches at most this far apart (a handover per event costs GIL switches)
+PROMPT_KINDS = ("Loading", "PrefillProgress", "PromptReady", "Finished")  # handed over at once
 _loaded: dict[tuple[str | None, str | None], dict] = {}
 
 
@@ -76,30 +79,38 @@ def _event_dicts(target: str | None, draft: str | None, document: str, instructi
 
 def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig) -> Iterator[dict]:
     """Event dicts of one generation. The engine runs in a thread of its own and hands events over through a queue,
-    so rendering them never holds decoding up (a generator's consumer would otherwise be timed as decoding); one
-    generation at a time, and a closed stream (Stop) ends its generation at the next event."""
+    so rendering them never holds decoding up (a generator's consumer would otherwise be timed as decoding), in
+    batches HANDOVER_S apart; one generation at a time, and a closed stream (Stop) ends its generation at the next
+    event."""
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
 
     def run() -> None:
         with _RUN_LOCK:
             generation = _event_dicts(preset.target, preset.draft, document, instruction, config.to_dict())
+            batch: list = []
+            handed = time.monotonic()
             try:
                 for event in generation:
                     if stop.is_set():
                         break
-                    events.put(event)
+                    batch.append(event)
+                    if event["kind"] in PROMPT_KINDS or time.monotonic() - handed >= HANDOVER_S:
+                        events.put(batch)
+                        batch, handed = [], time.monotonic()
             except Exception as err:  # handed to the consumer, which raises it where the UI can report it
-                events.put(err)
+                batch.append(err)
             finally:
                 generation.close()
+                events.put(batch)
                 events.put(_DONE)
 
     threading.Thread(target=run, name="triforce-generation", daemon=True).start()
     try:
-        while (item := events.get()) is not _DONE:
-            if isinstance(item, Exception):
-                raise item
-            yield item
+        while (batch := events.get()) is not _DONE:
+            for item in batch:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
     finally:
         stop.set()

@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import gradio as gr
+import plotly.graph_objects as go
+from gradio.components.plot import PlotData
 
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, SUPPORTED_SUFFIXES, load_samples
@@ -44,12 +46,17 @@ def launch_options() -> dict:
 
 
 def by_name(fn: Callable[[Mapping[str, Any], gr.Progress], Iterator[dict[str, Any]]],
-            outputs: dict[str, gr.Component]) -> Callable[..., Iterator[dict[gr.Component, Any]]]:
+            outputs: dict[str, gr.Component]) -> Callable[..., Iterator[list[Any]]]:
     """A Gradio handler for `fn`: the event's `inputs_kwargs` arrive as one dict by name, and each frame `fn` yields
-    by output name goes out keyed by component (outputs it leaves out keep their value)."""
-    def handler(progress: gr.Progress = gr.Progress(), **values: Any) -> Iterator[dict[gr.Component, Any]]:
+    by output name goes out as the list of all outputs, those it leaves out with the value last sent (Gradio
+    rebuilds a component for every output it is told to skip, which costs more than a frame; a figure is turned into
+    its JSON once, so sending it again is free)."""
+    def handler(progress: gr.Progress = gr.Progress(), **values: Any) -> Iterator[list[Any]]:
+        sent: dict[str, Any] = {}
         for frame in fn(values, progress):
-            yield {outputs[name]: value for name, value in frame.items()}
+            sent |= {name: PlotData(type="plotly", plot=value.to_json()) if isinstance(value, go.Figure) else value
+                     for name, value in frame.items()}
+            yield [sent.get(name, gr.skip()) for name in outputs]
 
     handler.__name__ = fn.__name__
     return handler

@@ -307,6 +307,15 @@ def test_level_costs_of_a_finished_run() -> None:
     figure = cost_figure(live_stats(state)["levels"], 2.5, level_costs(RunState(method="ar", final_stats=stats)))
     assert len(figure.data) == 3 and len(figure.data[0].y) == 5 and len(figure.data[2].y) == 4
     assert "2.50 tokens per target forward" in figure.layout.title.text
+    assert_valid_plotly(figure)
+
+
+def assert_valid_plotly(figure) -> None:
+    """The figure, built without validation for speed, passes plotly's validation (a misspelt property raises)."""
+    import plotly.graph_objects as go
+
+    spec = figure.to_plotly_json()
+    assert len(go.Figure(spec).data) == len(spec["data"])
 
 
 def test_document_view_highlights_kept_chunks_and_summarises_gaps() -> None:
@@ -337,6 +346,7 @@ def test_heatmap_bins_long_documents_and_hovers_with_snippets() -> None:
     layer = json.loads(selection_heatmap(state, HEATMAP_MODES[1]).to_json())["data"][0]
     assert layer["z"]["shape"].replace(" ", "") == f"4,{MAX_COLUMNS}"
     assert len(json.dumps(figure)) < 600_000
+    assert_valid_plotly(selection_heatmap(state, HEATMAP_MODES[0]))
 
 
 def test_heatmap_hover_shows_document_markup_as_text() -> None:
@@ -359,6 +369,7 @@ def test_upload_cache_is_cleaned() -> None:
 def test_heatmap_without_retrieval_says_why() -> None:
     figure = selection_heatmap(RunState(method="ar"))
     assert "no retrieval" in figure.layout.annotations[0].text
+    assert_valid_plotly(figure)
 
 
 def test_stats_and_status_mention_truncation() -> None:
@@ -424,6 +435,7 @@ def test_comparison_summary_checks_token_identity() -> None:
     bars = compare_bars(live_stats(ar), live_stats(tf))
     assert len(bars.data) == 8 and "cuda:0 · bfloat16" in bars.layout.title.text
     assert [a.text for a in bars.layout.annotations][2:] == ["prefill (s)", "time to first token (s)"]
+    assert_valid_plotly(bars)
     table = stats_markdown(live_stats(tf))
     assert "decode: tokens / s | 5.00" in table and "decode: ms / token | 200.0" in table
     assert "prefill (cache of the previous run reused)" in table and "cuda:0 · bfloat16" in table
