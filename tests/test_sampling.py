@@ -107,5 +107,5 @@ def test_repetition_matches_transformers_row_by_row():
         assert not torch.equal(got, logits)
         columns = torch.tensor([3, 0, 7, 11])
         torch.testing.assert_close(repetition(logits[:, columns], seq, draft, columns), got[:, columns])
-    off = Repetition(GenerationConfig(), vocab, torch.device("cpu"), start)
+    off = Repetition(GenerationConfig(repetition_penalty=1.0), vocab, torch.device("cpu"), start)
     assert off(logits, seq, draft) is logits
