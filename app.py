@@ -9,6 +9,7 @@ except ImportError:
 
 import argparse
 import os
+import time
 
 from app.inference import ModelLoadError, preset_engine
 from app.layout import build_demo, launch_options
@@ -29,8 +30,13 @@ demo = build_demo()
 
 if __name__ == "__main__":
     args = parse_args()
+    preset = default_preset()
+    print(f"Loading {preset.name} (the first start converts the embedded GGUF once, about a minute on a CPU) ...",
+          flush=True)
+    started = time.monotonic()
     try:  # load the default models up front (on ZeroGPU this must happen at start-up, outside @spaces.GPU)
-        preset_engine(default_preset())
+        preset_engine(preset)
+        print(f"Loaded in {time.monotonic() - started:.0f} s; serving at http://{args.host}:{args.port}", flush=True)
     except ModelLoadError as err:
         print(f"warning: {err}")
     demo.launch(server_name=args.host, server_port=args.port, **launch_options())

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import gradio as gr
 
 from core import GenerationConfig, TriForceError
+from core.prompting import document_fit
 
 from app.documents import DocumentError, load_samples, read_document
-from app.figures import HEATMAP_MODES, compare_bars, empty_figure, selection_heatmap
+from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap
 from app.explainer import engine_table
 from app.inference import ModelLoadError, counting_engine, load_engine, loaded_infos, preset_engine, stream_events
-from app.presets import Preset, preset_by_name
-from app.settings import build_config
+from app.presets import Preset, panel_overrides, preset_by_name
+from app.settings import build_config, parse, widget_args
 from app.state import RunState, apply_event, live_stats
-from app.views import answer_pieces, document_view, stats_for, stats_markdown, status_markdown
+from app.views import answer_pieces, document_view, stats_for, stats_markdown, status_markdown, timeline_html
 
 PLOT_INTERVAL_S = 0.25  # heatmap and document view: at most 4 updates per second
 TEXT_INTERVAL_S = 0.05  # answer, stats and status: at most 20 updates per second
@@ -63,32 +65,44 @@ def pick_instruction(sample: list[str] | str) -> str:
     return sample[0] if isinstance(sample, list) else sample
 
 
-def preset_budget(preset_name: str) -> int:
-    """The retrieval budget that suits the chosen preset."""
-    return preset_by_name(preset_name).budget
+def preset_budget(preset_name: str) -> dict:
+    """The budget widget for the chosen preset: its budget (blank: the engine's default), marked as its choice."""
+    values, notes = panel_overrides(preset_by_name(preset_name))
+    _, args = widget_args("budget", values["budget"], notes["budget"])
+    return gr.update(value=args["value"], info=args["info"])
 
 
-def describe_document(document: str, preset_name: str, budget: float | None) -> str:
-    """Token count of the document against the model's context and the retrieval budget."""
+def describe_document(document: str, preset_name: str, budget: str | float | None, instruction: str = "",
+                      max_new_tokens: str | float | None = None) -> str:
+    """Token count of the document against the room a run leaves it (the context less the template, the question
+    and the answer), what a run drops, and the retrieval budget."""
     if not document or not document.strip():
         return "No document yet: pick a sample, upload a file or paste text."
+    answer = int(max_new_tokens) if isinstance(max_new_tokens, (int, float)) and 1 <= max_new_tokens <= 1 << 20 \
+        else GenerationConfig.max_new_tokens
     try:
         engine, exact = counting_engine(preset_by_name(preset_name))
-    except (ModelLoadError, ValueError) as err:
+        budget = parse("budget", budget)
+        fit = document_fit(engine.tokenizer, document, instruction or "", engine.context_length, answer)
+    except (ModelLoadError, ValueError) as err:  # TriForceError is a ValueError
         return f"⚠️ {err}"
-    tokens, context = engine.count_tokens(document), engine.context_length
     approx = "" if exact else " (approximate: counted with the embedded tokenizer until this preset is loaded)"
-    fit = "fits the context" if tokens < context else f"**longer than the context by {tokens - context:,} tokens**"
-    line = f"**Document:** {tokens:,} tokens{approx} · model context {context:,} → {fit}"
+    fate = (f"**longer than the context: a run drops the middle {fit.dropped:,} tokens** (or refuses, as set)"
+            if fit.overflows else "fits the context")
+    line = (f"**Document:** {'' if fit.exact else 'about '}{fit.document_tokens:,} tokens{approx} · model context "
+            f"{engine.context_length:,}, {fit.room:,} left for the document beside the template, the question and "
+            f"{answer:,} answer tokens → {fate}")
     if budget:
-        line += f" · budget {int(budget):,} tokens = {100 * budget / max(tokens, 1):.1f} % of the document"
+        kept = min(fit.document_tokens, fit.room)
+        share = "the whole document" if budget >= kept else f"{100 * budget / kept:.1f} % of the document"
+        line += f" · budget {int(budget):,} tokens = {share}"
     return line
 
 
-def _settings(method: str, values: dict) -> GenerationConfig:
+def _settings(method: str, values: Mapping[str, Any]) -> GenerationConfig:
     """A validated config or a visible gr.Error explaining the bad setting."""
     try:
-        return build_config(method=method, **values)
+        return build_config(method, values)
     except TriForceError as err:
         raise gr.Error(str(err), title="Invalid settings") from None
 
@@ -118,7 +132,7 @@ def _stream(preset: Preset, document: str, instruction: str, config: GenerationC
                 progress(event["done"] / max(event["total"], 1), desc="Prefill", total=event["total"], unit="tokens")
             elif kind == "PromptReady" and event["dropped_tokens"]:
                 gr.Warning(f"The document is longer than the context ({event['context_length']:,} tokens): "
-                           f"{event['dropped_tokens']:,} tokens were dropped.")
+                           f"its middle {event['dropped_tokens']:,} tokens were dropped (beginning and end kept).")
             yield kind
     except (TriForceError, ModelLoadError) as err:
         raise gr.Error(str(err), title="Cannot generate") from None
@@ -126,38 +140,40 @@ def _stream(preset: Preset, document: str, instruction: str, config: GenerationC
         raise gr.Error(f"Generation failed: {type(err).__name__}: {err}", title="Generation failed") from None
 
 
-def run_triforce(document: str, instruction: str, preset_name: str, max_new_tokens: float, budget: float,
-                 chunk_size: float, gamma1: float, gamma2: float, drafter: str, reselect: str, reselect_every: float,
-                 temperature: float, top_p: float, seed: float, greedy: bool, overflow: str,
-                 draft_confidence: float = 0.0, lookup_min: float = GenerationConfig.lookup_min,
-                 draft_fusion: bool = True, heatmap_mode: str = HEATMAP_MODES[0],
-                 progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:
-    """Stream one TriForce generation: status, coloured answer, heatmap, document view, stats, state."""
-    settings = dict(max_new_tokens=max_new_tokens, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
-                    drafter=drafter, reselect=reselect, reselect_every=reselect_every, temperature=temperature,
-                    top_p=top_p, seed=seed, greedy=greedy, overflow=overflow,
-                    draft_confidence=draft_confidence, lookup_min=lookup_min, draft_fusion=draft_fusion)
-    config = _settings("triforce", settings)
+def run_triforce(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[dict[str, Any]]:
+    """Stream one TriForce generation from the panel's values by name: frames of status, coloured answer (with the
+    rejected drafts unless hidden), heatmap, document view, timeline, stats, per-level costs and run state."""
+    config = _settings("triforce", values)
     progress(0, desc="Loading model")
-    chosen = _prepare(document, instruction, preset_name)
+    chosen = _prepare(values["document"], values["instruction"], values["preset_name"])
+    mode, show = values.get("heatmap_mode") or HEATMAP_MODES[0], values.get("show_rejected") is not False
     state = RunState(method="triforce")
     text_gate, plot_gate = Throttle(TEXT_INTERVAL_S), Throttle(PLOT_INTERVAL_S)
-    yield ("⏳ Starting…", [], empty_figure("The retrieval heatmap appears after prefill."), [], "", {}, state)
-    for kind in _stream(chosen, document, instruction, config, state, progress):
+    yield {"status": "⏳ Starting…", "answer": [],
+           "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": [],
+           "timeline": timeline_html(state), "stats": "", "stats_json": {}, "costs": cost_figure([], None),
+           "run_state": state}
+    for kind in _stream(chosen, values["document"], values["instruction"], config, state, progress):
         now = time.monotonic()
         force = kind in ("PromptReady", "Finished") or (kind == "RetrievalSelection" and len(state.selection_rounds) == 1)
-        if not text_gate.due(now, force):
-            continue
-        stats_md, stats = stats_for(state)
-        if plot_gate.due(now, force):
-            figure, doc = selection_heatmap(state, heatmap_mode), document_view(state)
-        else:
-            figure, doc = gr.skip(), gr.skip()
-        yield (status_markdown(state), answer_pieces(state), figure, doc, stats_md, stats, state)
+        if text_gate.due(now, force):
+            yield _triforce_frame(state, mode, show, plot_gate.due(now, force))
     if not state.finished:  # the stream ended without Finished: show the last state in full
-        stats_md, stats = stats_for(state)
-        yield (status_markdown(state), answer_pieces(state), selection_heatmap(state, heatmap_mode),
-               document_view(state), stats_md, stats, state)
+        yield _triforce_frame(state, mode, show, True)
+
+
+def _triforce_frame(state: RunState, mode: str, show_rejected: bool, with_plots: bool) -> dict[str, Any]:
+    """The TriForce tab's outputs for the current state; heatmap, document view and timeline only `with_plots`,
+    the per-level costs once the run has finished."""
+    stats_md, stats = stats_for(state)
+    frame = {"status": status_markdown(state), "answer": answer_pieces(state, show_rejected), "stats": stats_md,
+             "stats_json": stats, "run_state": state}
+    if with_plots:
+        frame |= {"heatmap": selection_heatmap(state, mode), "doc_view": document_view(state),
+                  "timeline": timeline_html(state)}
+    if state.finished:
+        frame["costs"] = cost_figure(stats["levels"], stats["tokens_per_target_forward"])
+    return frame
 
 
 def redraw_heatmap(state: RunState | None, mode: str) -> object:
@@ -165,6 +181,11 @@ def redraw_heatmap(state: RunState | None, mode: str) -> object:
     if not isinstance(state, RunState):
         return empty_figure("Run TriForce to see which chunks the retrieval cache keeps.")
     return selection_heatmap(state, mode)
+
+
+def redraw_answer(state: RunState | None, show_rejected: bool) -> list[tuple[str, str | None]]:
+    """The last run's answer with or without its rejected drafts."""
+    return answer_pieces(state, show_rejected) if isinstance(state, RunState) else []
 
 
 def stopped() -> str:
@@ -188,42 +209,48 @@ def comparison_summary(ar: RunState, tf: RunState, greedy: bool) -> tuple[str, d
     elif not greedy:
         lines.append("Sampling is on: outputs may differ token by token (both follow the target's distribution). "
                      "Tick *greedy* for a token-identity check.")
+    if tf_stats.get("prefill_reused"):
+        lines.append("Prefill and time to first token are apart from decode speed: TriForce reused the cache the "
+                     "autoregressive run prefilled for the same prompt.")
+    device = " · ".join(v for v in (tf_stats.get("device") or ar_stats.get("device"),
+                                    tf_stats.get("dtype") or ar_stats.get("dtype")) if v)
+    if device:
+        lines.append(f"Ran on **{device}**.")
     summary = {"ar": ar_stats, "triforce": tf_stats, "speedup": speedup, "greedy": greedy, "identical": identical,
-               "first_difference": first_difference}
+               "first_difference": first_difference, "device": device}
     return "\n\n".join(lines), summary
 
 
-def run_compare(document: str, instruction: str, preset_name: str, max_new_tokens: float, budget: float,
-                chunk_size: float, gamma1: float, gamma2: float, drafter: str, reselect: str, reselect_every: float,
-                temperature: float, top_p: float, seed: float, greedy: bool, overflow: str,
-                draft_confidence: float = 0.0, lookup_min: float = GenerationConfig.lookup_min,
-                draft_fusion: bool = True, progress: gr.Progress = gr.Progress()) -> Iterator[tuple]:
-    """Autoregressive then TriForce on the same input and seed, streamed side by side."""
-    settings = dict(max_new_tokens=max_new_tokens, budget=budget, chunk_size=chunk_size, gamma1=gamma1, gamma2=gamma2,
-                    drafter=drafter, reselect=reselect, reselect_every=reselect_every, temperature=temperature,
-                    top_p=top_p, seed=seed, greedy=greedy, overflow=overflow,
-                    draft_confidence=draft_confidence, lookup_min=lookup_min, draft_fusion=draft_fusion)
-    configs = {"ar": _settings("ar", settings), "triforce": _settings("triforce", settings)}
+def run_compare(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[dict[str, Any]]:
+    """Autoregressive then TriForce on the same input and seed, streamed side by side, by output name."""
+    configs = {"ar": _settings("ar", values), "triforce": _settings("triforce", values)}
     progress(0, desc="Loading model")
-    chosen = _prepare(document, instruction, preset_name)
+    chosen = _prepare(values["document"], values["instruction"], values["preset_name"])
     runs = {"ar": RunState(method="ar"), "triforce": RunState(method="triforce")}
     gate = Throttle(TEXT_INTERVAL_S)
     is_greedy = configs["ar"].is_greedy
 
-    def frame(note: str, with_plot: bool = True) -> tuple:
-        """All Compare outputs for the current progress; the chart and verdict only when `with_plot`."""
+    show = values.get("show_rejected") is not False
+
+    def frame(note: str, with_plot: bool = True) -> dict[str, Any]:
+        """All Compare outputs for the current progress; charts, timeline and verdict only when `with_plot`."""
         ar_stats, tf_stats = live_stats(runs["ar"]), live_stats(runs["triforce"])
-        head = (note, answer_pieces(runs["ar"]), answer_pieces(runs["triforce"]), stats_markdown(ar_stats),
-                stats_markdown(tf_stats))
-        if not with_plot:
-            return head + (gr.skip(), gr.skip(), gr.skip())
-        verdict, summary = comparison_summary(runs["ar"], runs["triforce"], is_greedy)
-        return head + (compare_bars(ar_stats, tf_stats), verdict, summary)
+        out = {"compare_status": note, "ar_answer": answer_pieces(runs["ar"]),
+               "tf_answer": answer_pieces(runs["triforce"], show), "ar_stats": stats_markdown(ar_stats),
+               "tf_stats": stats_markdown(tf_stats), "compare_state": runs["triforce"]}
+        if with_plot:
+            verdict, summary = comparison_summary(runs["ar"], runs["triforce"], is_greedy)
+            out |= {"bars": compare_bars(ar_stats, tf_stats), "tf_timeline": timeline_html(runs["triforce"]),
+                    "compare_costs": cost_figure(tf_stats["levels"], tf_stats["tokens_per_target_forward"],
+                                                 ar_stats["levels"]),
+                    "verdict": verdict, "compare_json": summary}
+        return out
 
     yield frame("⏳ Starting…")
     plot_gate = Throttle(PLOT_INTERVAL_S)
     for method, label in (("ar", "Autoregressive"), ("triforce", "TriForce")):
-        for kind in _stream(chosen, document, instruction, configs[method], runs[method], progress):
+        for kind in _stream(chosen, values["document"], values["instruction"], configs[method], runs[method],
+                            progress):
             now = time.monotonic()
             if gate.due(now, kind == "Finished"):
                 yield frame(f"{label}: {status_markdown(runs[method])}", plot_gate.due(now, kind == "Finished"))

@@ -6,7 +6,7 @@ import platform
 
 import gradio as gr
 
-from app.views import PROVENANCE_LABELS
+from app.views import PROVENANCE_LABELS, REJECTED_LABELS
 
 EXPLANATION = f"""
 ## TriForce in three levels
@@ -31,20 +31,38 @@ Speculative sampling accepts a draft token x with probability min(1, p(x)/q(x)) 
 residual max(p − q, 0), so the output follows the target's distribution exactly; with greedy decoding it is
 token-identical to plain autoregressive decoding (the *Compare* tab checks this).
 
+## When the KV cache does not fit the GPU
+A 7B model at 128K tokens holds about 64 GB of keys and values: more than a 24 GB card. Then (setting *Offload the
+full KV cache*: auto) the full cache lives in CPU memory and each full-cache forward streams it to the GPU one layer
+at a time, copying the next layer while the current one computes; weights, the retrieval cache and the draft stay on
+the GPU. A full-cache step then costs the cache's bytes over the CPU–GPU link (about 1.3 s for that 7B at 55 GB/s),
+which is exactly the step TriForce takes rarely: level 3 checks γ2 tokens per pass, while levels 1 and 2 read only
+GPU memory. This is the regime of the paper's largest speedups (4.9–7.8× on RTX 4090s). The status line says where
+each cache lives, and the stats give the bytes moved over the link per token.
+
 ## What the visuals show
 - **Answer:** each token coloured by where it came from: *{PROVENANCE_LABELS['draft']}* (proposed by level 1 and
   kept by both checks), *{PROVENANCE_LABELS['copy']}* (the same for a token level 1 copied from earlier in the text),
   *{PROVENANCE_LABELS['level2']}* (sampled by level 2, kept by level 3) and *{PROVENANCE_LABELS['level3']}*. The
-  more green, the fewer expensive full-cache passes per token.
+  more green, the fewer expensive full-cache passes per token. Struck-through tokens are drafts a level rejected, shown
+  where they were tried: grey *{REJECTED_LABELS[2]}* (a level-1 proposal level 2 turned down, with the proposals
+  after it) and pink *{REJECTED_LABELS[3]}* (level-2 tokens the full cache turned down); the checkbox hides them.
+- **Speculation timeline:** one block per level-3 round. Its top row is level 3's verdict on the level-2 tokens
+  (kept, the rejected one, the discarded rest, then level 3's own token); the bottom row is each level-2 step's
+  verdict on the level-1 tokens, then level 2's own token. Hover a block for the counts.
 - **Retrieval heatmap:** x is the position in the document (chunks, grouped into at most 1,024 columns, each column
   showing its most-kept chunk), y is the decoding step (the selection in force at each level-3 round) or, in the
   layer view, the layer of the latest selection. Colour counts how many (layer, KV head) pairs keep the chunk;
   hover for the token range and a snippet of the text.
 - **Selected spans:** the most-kept chunks of the latest selection, in document order, with the skipped stretches
   summarised.
-- **Stats:** decode tokens/s, time to first token (includes prefill), prefill time, acceptance at level 2 (of
-  level-1 drafts) and level 3 (of level-2 tokens), mean tokens per full-cache forward, budget as a share of the prompt,
-  and the memory of the full and the retrieval KV cache.
+- **Cost per level** (after a run): milliseconds and bytes read per step at each level (the weights a forward reads
+  plus that level's KV cache: the draft's StreamingLLM cache, the retrieval cache, the full cache), each level's
+  share of the decode time (chunk selection apart), and the tokens each full-cache forward yields. TriForce pays off
+  when the cheap levels' steps cost little next to a full-cache step and most of their tokens are kept.
+- **Stats:** decode tokens/s and ms/token, time to first token (includes prefill), prefill time, acceptance at
+  level 2 (of level-1 drafts) and level 3 (of level-2 tokens), mean tokens per full-cache forward, budget as a share
+  of the prompt, the memory of the full and the retrieval KV cache, and the device and dtype.
 """
 
 

@@ -1,6 +1,10 @@
-"""Plotly figures: the retrieval heatmap (chunk × step or chunk × layer) and the Compare bar chart."""
+"""Plotly figures: the retrieval heatmap (chunk × step or chunk × layer), the Compare bar chart, the cost per
+level."""
 
 from __future__ import annotations
+
+import html
+from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
@@ -20,6 +24,11 @@ def _layout(fig: go.Figure, title: str, height: int = 360) -> go.Figure:
     return fig
 
 
+def short(value: float) -> str:
+    """A number in at most three significant digits, without an exponent below a million."""
+    return f"{value:,.0f}" if 1000 <= abs(value) < 1e6 else f"{value:.3g}"
+
+
 def empty_figure(message: str) -> go.Figure:
     """A blank figure carrying a centred message."""
     fig = go.Figure()
@@ -30,12 +39,13 @@ def empty_figure(message: str) -> go.Figure:
 
 
 def column_labels(state: RunState) -> list[str]:
-    """Hover label of each heatmap column: chunk range, token range and a text snippet (unique per column)."""
+    """Hover label of each heatmap column: chunk range, token range and a text snippet (unique per column; escaped,
+    as Plotly renders markup in hover text)."""
     edges, cs = state.edges, max(state.chunk_size, 1)
     labels = []
     for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
         first, last = a * cs, min(b * cs, state.prompt_tokens or b * cs) - 1
-        snippet = " ".join("".join(state.chunk_texts[a:min(b, a + 16)]).split())[:SNIPPET_CHARS]
+        snippet = html.escape(" ".join("".join(state.chunk_texts[a:min(b, a + 16)]).split())[:SNIPPET_CHARS])
         chunks = f"chunk {a}" if b - a == 1 else f"chunks {a}–{b - 1}"
         labels.append(f"{chunks} · tokens {first}–{last} · “{snippet}”")
     return labels
@@ -87,10 +97,11 @@ def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figur
 
 
 def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
-    """Bars of tokens/s, ms per token and time to first token for autoregressive vs TriForce."""
-    metrics = (("tokens/s", "tokens_per_s", 1.0), ("ms per token", "tokens_per_s", None),
-               ("time to first token (s)", "time_to_first_token_s", 1.0))
-    fig = make_subplots(rows=1, cols=3, subplot_titles=[m[0] for m in metrics])
+    """Bars of decode speed (tokens/s, ms per token) apart from prefill and time to first token, autoregressive vs
+    TriForce, titled with the device and dtype they ran on."""
+    metrics = (("decode: tokens/s", "tokens_per_s", 1.0), ("decode: ms per token", "tokens_per_s", None),
+               ("prefill (s)", "prefill_s", 1.0), ("time to first token (s)", "time_to_first_token_s", 1.0))
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=[m[0] for m in metrics])
     for name, stats, colour in (("autoregressive", ar, "#9ca3af"), ("TriForce", tf, "#2563eb")):
         values = []
         for _, key, scale in metrics:
@@ -100,7 +111,41 @@ def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
             else:
                 values.append(raw * scale if scale is not None else 1000.0 / raw)
         for col, value in enumerate(values, start=1):
+            reused = col == 3 and (stats or {}).get("prefill_reused")
+            text = "" if value is None else short(value) + (" (cache reused)" if reused else "")
             fig.add_trace(go.Bar(x=[name], y=[value], name=name, marker_color=colour, showlegend=col == 1,
-                                 text=[f"{value:.3g}" if value is not None else ""], textposition="auto"),
-                          row=1, col=col)
-    return _layout(fig, "Autoregressive vs TriForce (same input, seed and device)", height=320)
+                                 text=[text], textposition="auto"), row=1, col=col)
+    device = " · ".join(v for v in ((tf or {}).get("device"), (tf or {}).get("dtype")) if v)
+    return _layout(fig, "Autoregressive vs TriForce (same input and seed" + (f", on {device})" if device else ")"),
+                   height=320)
+
+
+LEVEL_COLORS = {"level1": "#22c55e", "level2": "#f59e0b", "level3": "#ef4444", "selection": "#a78bfa",
+                "target": "#9ca3af"}
+
+
+def cost_figure(rows: Sequence[dict], tokens_per_forward: float | None, reference: Sequence[dict] = ()) -> go.Figure:
+    """The finished run's cost per level: milliseconds and MiB read (weights + KV cache) per step, and each level's
+    share of the decode time; `reference` rows (autoregressive) join the first two panels."""
+    if not rows:
+        return empty_figure("The cost of each level appears when the run has finished.").update_layout(height=160)
+    panels = ("ms / step", "MiB read / step", "% of decode time")
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, subplot_titles=panels, horizontal_spacing=0.07)
+    every = [*rows, *reference]
+    labels = [row["level"] for row in every]
+    columns = (("ms_per_step", 1.0, " ms", every), ("bytes_per_step", 1 / 2**20, " MiB", every),
+               ("share", 100.0, " %", rows))
+    for col, (key, scale, unit, shown) in enumerate(columns, start=1):
+        values = [None if row[key] is None else row[key] * scale for row in shown]
+        fig.add_trace(go.Bar(
+            y=labels[:len(shown)], x=values, orientation="h", showlegend=False,
+            marker_color=[LEVEL_COLORS.get(row["key"], "#64748b") for row in shown],
+            text=["" if v is None else short(v) + unit for v in values], textposition="auto",
+            customdata=[[row["steps"], row["ms"]] for row in shown],
+            hovertemplate="%{y}<br>%{customdata[0]} steps, %{customdata[1]:.1f} ms in all (bytes read: the weights "
+                          "of one forward + the level's KV cache)<extra></extra>"),
+            row=1, col=col)
+    fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=labels)
+    per_forward = f" · {tokens_per_forward:.2f} tokens per target forward" if tokens_per_forward else ""
+    fig.update_annotations(font_size=12)
+    return _layout(fig, f"Cost per level of the last run{per_forward}", height=120 + 40 * len(labels))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from collections.abc import Iterator
 
@@ -18,7 +20,8 @@ from core import Engine, GenerationConfig
 
 from app.presets import Preset
 
-_STEP_LOCK = threading.Lock()  # one engine step at a time, even while a cancelled run's last step finishes
+_RUN_LOCK = threading.Lock()  # one generation at a time, even while a cancelled run's last step finishes
+_DONE = object()  # the end of a generation's event queue
 _loaded: dict[tuple[str | None, str | None], dict] = {}
 
 
@@ -27,9 +30,12 @@ class ModelLoadError(RuntimeError):
 
 
 def load_engine(target: str | None, draft: str | None) -> Engine:
-    """The engine for a target/draft pair (Engine.load caches per process); failures raise ModelLoadError."""
+    """The engine for a target/draft pair (Engine.load caches per process), held to TRIFORCE_GPU_MEMORY_GIB of GPU
+    memory when set (a larger GPU then offloads like a card of that size); failures raise ModelLoadError."""
+    budget = float(os.environ["TRIFORCE_GPU_MEMORY_GIB"]) if os.environ.get("TRIFORCE_GPU_MEMORY_GIB") else None
     try:
-        engine = Engine.load() if target is None else Engine.load(target=target, draft=draft)
+        engine = Engine.load(gpu_memory_gib=budget) if target is None else \
+            Engine.load(target=target, draft=draft, gpu_memory_gib=budget)
     except Exception as err:  # any loader failure (missing weights, no network, out of memory) must not kill the app
         name = target or "the embedded model"
         raise ModelLoadError(f"Could not load {name}{f' + {draft}' if draft else ''}: {err}. "
@@ -58,22 +64,42 @@ def loaded_infos() -> list[dict]:
 @gpu
 def _event_dicts(target: str | None, draft: str | None, document: str, instruction: str,
                  config: dict) -> Iterator[dict]:
-    """Generation events as plain dicts (safe to pickle out of a ZeroGPU worker)."""
+    """Generation events as plain dicts (safe to pickle out of a ZeroGPU worker); a Verdict also carries the text of
+    each proposed token (`proposed_texts`), for showing rejected drafts."""
     engine = load_engine(target, draft)
     for event in engine.generate(document, instruction, GenerationConfig(**config)):
-        yield event.to_dict()
+        data = event.to_dict()
+        if data["kind"] == "Verdict":
+            data["proposed_texts"] = [engine.tokenizer.decode([token]) for token in data["proposed"]]
+        yield data
 
 
 def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig) -> Iterator[dict]:
-    """Event dicts of one generation, stepping the engine under a process-wide lock."""
-    events = _event_dicts(preset.target, preset.draft, document, instruction, config.to_dict())
-    try:
-        while True:
-            with _STEP_LOCK:
-                event = next(events, None)
-            if event is None:
-                return
-            yield event
-    finally:
-        events.close()
+    """Event dicts of one generation. The engine runs in a thread of its own and hands events over through a queue,
+    so rendering them never holds decoding up (a generator's consumer would otherwise be timed as decoding); one
+    generation at a time, and a closed stream (Stop) ends its generation at the next event."""
+    events: queue.Queue = queue.Queue()
+    stop = threading.Event()
 
+    def run() -> None:
+        with _RUN_LOCK:
+            generation = _event_dicts(preset.target, preset.draft, document, instruction, config.to_dict())
+            try:
+                for event in generation:
+                    if stop.is_set():
+                        break
+                    events.put(event)
+            except Exception as err:  # handed to the consumer, which raises it where the UI can report it
+                events.put(err)
+            finally:
+                generation.close()
+                events.put(_DONE)
+
+    threading.Thread(target=run, name="triforce-generation", daemon=True).start()
+    try:
+        while (item := events.get()) is not _DONE:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
 import gradio as gr
 
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, SUPPORTED_SUFFIXES, load_samples
 from app.explainer import EXPLANATION
-from app.figures import HEATMAP_MODES, empty_figure
-from app.presets import all_presets, default_preset
-from app.settings import DRAFTERS, OVERFLOW_POLICIES, RESELECT_POLICIES
+from app.figures import HEATMAP_MODES, cost_figure, empty_figure
+from app.presets import all_presets, default_preset, panel_overrides
+from app.settings import build_panel
 from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
-from core import GenerationConfig
 
+UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
+SHOW_REJECTED = "Show rejected drafts (struck through; a running generation keeps the choice it started with)"
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
 #answer, #compare-ar, #compare-tf {min-height: 8rem}
 #doc-view {max-height: 22rem; overflow-y: auto}
+.tl {font-size: 0.8rem; max-height: 16rem; overflow-y: auto}
+.tl-head {margin-bottom: 4px; color: var(--body-text-color-subdued)}
+.tl-rounds {display: flex; flex-wrap: wrap; gap: 5px 7px}
+.tl-round {display: inline-flex; flex-direction: column; gap: 2px}
+.tl-round > span {display: flex; gap: 1px; height: 9px}
+.tl i {display: inline-block; width: 6px; height: 9px; border-radius: 1px; vertical-align: middle}
+.tl s {display: inline-block; width: 3px}
+.tl .ok {background: #22c55e} .tl .no {background: #374151} .tl .skip {background: #d1d5db}
+.tl .l2 {background: #f59e0b} .tl .l3 {background: #ef4444}
 """
 HEADER = """# TriForce Studio
 Hierarchical speculative decoding for long documents
@@ -30,6 +43,18 @@ def launch_options() -> dict:
     return {"theme": gr.themes.Soft(), "css": CSS, "max_file_size": MAX_UPLOAD_BYTES}
 
 
+def by_name(fn: Callable[[Mapping[str, Any], gr.Progress], Iterator[dict[str, Any]]],
+            outputs: dict[str, gr.Component]) -> Callable[..., Iterator[dict[gr.Component, Any]]]:
+    """A Gradio handler for `fn`: the event's `inputs_kwargs` arrive as one dict by name, and each frame `fn` yields
+    by output name goes out keyed by component (outputs it leaves out keep their value)."""
+    def handler(progress: gr.Progress = gr.Progress(), **values: Any) -> Iterator[dict[gr.Component, Any]]:
+        for frame in fn(values, progress):
+            yield {outputs[name]: value for name, value in frame.items()}
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
 def build_demo() -> gr.Blocks:
     """Build the whole app; nothing is loaded or run until a user acts."""
     samples = load_samples()
@@ -37,7 +62,7 @@ def build_demo() -> gr.Blocks:
     first_instructions = list(first.instructions) if first and first.instructions else \
         list(callbacks.GENERIC_INSTRUCTIONS)
     preset = default_preset()
-    with gr.Blocks(title="TriForce Studio") as demo:
+    with gr.Blocks(title="TriForce Studio", delete_cache=UPLOAD_CACHE) as demo:
         gr.Markdown(HEADER)
         with gr.Tabs():
             with gr.Tab("TriForce", id="triforce"):
@@ -57,40 +82,7 @@ def build_demo() -> gr.Blocks:
                         with gr.Accordion("Settings", open=False, elem_id="settings"):
                             preset_name = gr.Dropdown([p.name for p in all_presets()], value=preset.name,
                                                       label="Model preset (target + draft)")
-                            with gr.Row():
-                                budget = gr.Number(preset.budget, label="Retrieval budget (tokens)", precision=0,
-                                                   minimum=1)
-                                chunk_size = gr.Slider(1, 64, 8, step=1, label="Chunk size (tokens)")
-                            with gr.Row():
-                                gamma1 = gr.Slider(1, 8, 2, step=1, label="γ1 (level-1 tokens per level-2 check)")
-                                gamma2 = gr.Slider(1, 16, 6, step=1, label="γ2 (level-2 tokens per level-3 check)")
-                            drafter = gr.Radio(list(DRAFTERS), value="auto", label="Level-1 drafter",
-                                               info="auto: the draft model if the preset has one, else n-gram lookup")
-                            draft_confidence = gr.Slider(0, 0.95, 0, step=0.05, label="Draft confidence gate",
-                                                         info="the draft model stops proposing when its top "
-                                                              "probability is below this (0: always γ1 tokens)")
-                            lookup_min = gr.Slider(0, 8, GenerationConfig.lookup_min, step=1,
-                                                   label="Copy from the text after a match of (tokens)",
-                                                   info="the draft model proposes what followed the text's last "
-                                                        "tokens where they occurred before (0: never)")
-                            draft_fusion = gr.Checkbox(True, label="Draft reads the target's hidden state",
-                                                       info="a draft distilled with a fusion module (the embedded "
-                                                            "one) also reads the state of level 2 or 3 that produced "
-                                                            "the last token; off: the draft alone")
-                            with gr.Row():
-                                reselect = gr.Radio(list(RESELECT_POLICIES), value="once", label="Re-select chunks")
-                                reselect_every = gr.Number(8, label="N (rounds)", precision=0, minimum=1)
-                            with gr.Row():
-                                temperature = gr.Slider(0, 1.5, 0.6, step=0.05, label="Temperature")
-                                top_p = gr.Slider(0.05, 1, 0.9, step=0.05, label="Top-p")
-                            with gr.Row():
-                                max_new_tokens = gr.Number(64, label="Max new tokens", precision=0, minimum=1,
-                                                           maximum=4096)
-                                seed = gr.Number(0, label="Seed", precision=0)
-                            with gr.Row():
-                                greedy = gr.Checkbox(False, label="Greedy (token-identical to autoregressive)")
-                                overflow = gr.Radio(list(OVERFLOW_POLICIES), value="truncate",
-                                                    label="Document longer than the context")
+                            panel = build_panel(*panel_overrides(preset))
                         with gr.Row():
                             run = gr.Button("Run TriForce", variant="primary", elem_id="run")
                             stop = gr.Button("Stop", variant="stop", elem_id="stop")
@@ -98,6 +90,9 @@ def build_demo() -> gr.Blocks:
                         status = gr.Markdown("Ready.", elem_id="status")
                         answer = gr.HighlightedText(label="Answer (coloured by provenance)", color_map=TRIFORCE_COLORS,
                                                     show_legend=True, elem_id="answer")
+                        show_rejected = gr.Checkbox(True, label=SHOW_REJECTED, elem_id="show-rejected",
+                                                    container=False)
+                        timeline = gr.HTML(elem_id="timeline")
                         heatmap_mode = gr.Radio(list(HEATMAP_MODES), value=HEATMAP_MODES[0], label="Heatmap",
                                                 container=False)
                         heatmap = gr.Plot(empty_figure("Run TriForce to see which chunks the retrieval cache keeps."),
@@ -106,6 +101,7 @@ def build_demo() -> gr.Blocks:
                             doc_view = gr.HighlightedText(label="Selected spans of the document (latest selection)",
                                                           color_map=SPAN_COLORS, show_legend=True, elem_id="doc-view")
                             stats = gr.Markdown(elem_id="stats")
+                        costs = gr.Plot(cost_figure([], None), label="Cost per level", elem_id="costs")
                         with gr.Accordion("Raw stats (JSON)", open=False):
                             stats_json = gr.JSON(label="stats")
                 run_state = gr.State()
@@ -125,9 +121,14 @@ def build_demo() -> gr.Blocks:
                     with gr.Column():
                         tf_answer = gr.HighlightedText(label="TriForce", color_map=TRIFORCE_COLORS,
                                                        show_legend=True, elem_id="compare-tf")
+                        compare_show_rejected = gr.Checkbox(True, label=SHOW_REJECTED, container=False,
+                                                            elem_id="compare-show-rejected")
+                        tf_timeline = gr.HTML(elem_id="compare-timeline")
                         tf_stats = gr.Markdown()
                 verdict = gr.Markdown(elem_id="verdict")
                 bars = gr.Plot(label="Speed", elem_id="compare-bars")
+                compare_costs = gr.Plot(cost_figure([], None), label="Cost per level", elem_id="compare-costs")
+                compare_state = gr.State()
                 with gr.Accordion("Raw comparison (JSON)", open=False):
                     compare_json = gr.JSON(label="comparison")
             with gr.Tab("How it works", id="how") as how_tab:
@@ -135,30 +136,39 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("## Models, device and versions")
                 engines = gr.Markdown(elem_id="engines")
 
-        settings = [preset_name, max_new_tokens, budget, chunk_size, gamma1, gamma2, drafter, reselect,
-                    reselect_every, temperature, top_p, seed, greedy, overflow, draft_confidence,
-                    lookup_min, draft_fusion]
+        inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, **panel}
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document")
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")
-        describe = dict(fn=callbacks.describe_document, inputs=[document, preset_name, budget], outputs=doc_info,
-                        show_progress="hidden", trigger_mode="always_last", concurrency_limit=None)
+        describe = dict(fn=callbacks.describe_document, inputs=[document, preset_name, panel["budget"], instruction,
+                                                                panel["max_new_tokens"]], outputs=doc_info, show_progress="hidden", trigger_mode="always_last", concurrency_limit=None)
         document.change(api_name="describe_document", **describe)
-        budget.change(api_visibility="private", **describe)
-        preset_name.input(callbacks.preset_budget, preset_name, budget, api_visibility="private")
+        panel["budget"].change(api_visibility="private", **describe)
+        preset_name.input(callbacks.preset_budget, preset_name, panel["budget"], api_visibility="private")
         demo.load(api_visibility="private", **describe)
 
-        run_event = run.click(callbacks.run_triforce, [document, instruction, *settings, heatmap_mode],
-                              [status, answer, heatmap, doc_view, stats, stats_json, run_state], api_name="triforce",
+        outputs = {"status": status, "answer": answer, "heatmap": heatmap, "doc_view": doc_view, "stats": stats,
+                   "stats_json": stats_json, "timeline": timeline, "costs": costs, "run_state": run_state}
+        run_event = run.click(by_name(callbacks.run_triforce, outputs),
+                              inputs_kwargs={**inputs, "heatmap_mode": heatmap_mode, "show_rejected": show_rejected},
+                              outputs=list(outputs.values()), api_name="triforce", preprocess=False,
                               concurrency_id=GPU_QUEUE, concurrency_limit=1)
         stop.click(callbacks.stopped, None, status, cancels=[run_event], api_name="stop", concurrency_limit=None)
         heatmap_mode.change(callbacks.redraw_heatmap, [run_state, heatmap_mode], heatmap, api_visibility="private",
                             concurrency_limit=None)
+        show_rejected.change(callbacks.redraw_answer, [run_state, show_rejected], answer, api_visibility="private",
+                             concurrency_limit=None)
 
-        compare_event = compare_run.click(callbacks.run_compare, [document, instruction, *settings],
-                                          [compare_status, ar_answer, tf_answer, ar_stats, tf_stats, bars, verdict,
-                                           compare_json], api_name="compare", concurrency_id=GPU_QUEUE,
-                                          concurrency_limit=1)
+        outputs = {"compare_status": compare_status, "ar_answer": ar_answer, "tf_answer": tf_answer,
+                   "ar_stats": ar_stats, "tf_stats": tf_stats, "bars": bars, "verdict": verdict,
+                   "compare_json": compare_json, "tf_timeline": tf_timeline, "compare_costs": compare_costs,
+                   "compare_state": compare_state}
+        compare_event = compare_run.click(by_name(callbacks.run_compare, outputs),
+                                          inputs_kwargs={**inputs, "show_rejected": compare_show_rejected},
+                                          outputs=list(outputs.values()), api_name="compare", preprocess=False,
+                                          concurrency_id=GPU_QUEUE, concurrency_limit=1)
+        compare_show_rejected.change(callbacks.redraw_answer, [compare_state, compare_show_rejected], tf_answer,
+                                     api_visibility="private", concurrency_limit=None)
         compare_stop.click(callbacks.stopped, None, compare_status, cancels=[compare_event], api_name="stop_compare",
                            concurrency_limit=None)
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")

@@ -11,21 +11,22 @@ CUSTOM = "Custom (TRIFORCE_TARGET / TRIFORCE_DRAFT)"
 
 @dataclass(frozen=True)
 class Preset:
-    """A target model, an optional draft model and the retrieval budget that suits them."""
+    """A target model, an optional draft model, and the retrieval budget that suits them when it is not the
+    engine's default."""
 
     name: str
     target: str | None  # None: the engine's embedded default
     draft: str | None
-    budget: int
+    budget: int | None = None  # None: the engine's default (4096, or 8192 with the full cache offloaded)
 
 
 PRESETS: tuple[Preset, ...] = (
     Preset(EMBEDDED, None, None, 512),
-    Preset("Paper: Yarn-Llama-2-7b-128k + llama-68m", "NousResearch/Yarn-Llama-2-7b-128k", "JackFram/llama-68m", 4096),
-    Preset("LWM-Text-Chat-128K + llama-68m", "LargeWorldModel/LWM-Text-Chat-128K", "JackFram/llama-68m", 4096),
+    Preset("Paper: Yarn-Llama-2-7b-128k + llama-68m", "NousResearch/Yarn-Llama-2-7b-128k", "JackFram/llama-68m"),
+    Preset("LWM-Text-Chat-128K + llama-68m", "LargeWorldModel/LWM-Text-Chat-128K", "JackFram/llama-68m"),
     Preset("Llama-3.1-8B-Instruct + Llama-3.2-1B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",
-           "meta-llama/Llama-3.2-1B-Instruct", 4096),
-    Preset("Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", 4096),
+           "meta-llama/Llama-3.2-1B-Instruct"),
+    Preset("Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
 )
 
 
@@ -39,7 +40,7 @@ def env_preset(environ: dict[str, str] | None = None) -> Preset | None:
     for preset in PRESETS:
         if preset.target == target and preset.draft == draft:
             return preset
-    return Preset(CUSTOM, target, draft, 4096)
+    return Preset(CUSTOM, target, draft)
 
 
 def all_presets(environ: dict[str, str] | None = None) -> list[Preset]:
@@ -59,3 +60,8 @@ def preset_by_name(name: str, environ: dict[str, str] | None = None) -> Preset:
         if preset.name == name:
             return preset
     raise ValueError(f"Unknown model preset {name!r}; choose one from the list.")
+
+
+def panel_overrides(preset: Preset) -> tuple[dict[str, int | None], dict[str, str]]:
+    """The settings a preset chooses (values by name) and the notes in their help that say so."""
+    return {"budget": preset.budget}, {"budget": f"{preset.budget} is this preset's choice" if preset.budget else ""}

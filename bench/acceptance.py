@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.common import DOCS, drafter_settings, environment, finish, save
 from core import Engine, GenerationConfig
-from core.distill_data import HOLDOUT
+from core.samples import held_out_documents, sample_instructions
 
 SETTINGS = {"greedy": {"greedy": True}, "T0.6/top-p0.9": {"temperature": 0.6, "top_p": 0.9}}
 
@@ -23,14 +23,14 @@ def main() -> None:
     p.add_argument("--draft", default=None, help="default: the target's shipped draft (assets/draft)")
     p.add_argument("--device", default=None)
     p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--documents", nargs="+", default=HOLDOUT)
+    p.add_argument("--documents", nargs="+", default=held_out_documents())
     p.add_argument("--drafters", nargs="+", default=["model", "model:0.5", "ngram"])
     p.add_argument("--seeds", type=int, default=1, help="sampled runs per instruction at T=0.6")
     p.add_argument("--name", default="acceptance", help="results file name (bench/results/NAME-DATE.json)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     engine = Engine.load(args.target, args.draft, args.device)
-    samples = {s["file"]: s["instructions"] for s in json.loads((DOCS / "samples.json").read_text())}
+    samples = sample_instructions()
     totals = {(s, d): [0, 0, 0, 0] for s in SETTINGS for d in args.drafters}  # proposed, accepted, tokens, fwd
     runs = []
     for name in args.documents:

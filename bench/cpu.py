@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from bench.common import document_of, drafter_settings, environment, finish, save
+from bench.common import INSTRUCTION, document_of, drafter_settings, environment, finish, save
 from core import Engine, GenerationConfig
 from core.events import Finished, StepTiming, Verdict
-
-INSTRUCTION = "Summarise what has happened so far, naming the main characters."
 
 
 def timed(engine: Engine, doc: str, cfg: GenerationConfig) -> tuple[Finished, float, float]:

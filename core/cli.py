@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 import typing
 from pathlib import Path
+from typing import NoReturn
+
+import transformers
 
 from core.config import GenerationConfig, TriForceError, settings, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
+from core.parallel import TensorParallel, joined, launch
+from core.prompting import MAX_DOCUMENT_CHARS
 
 COLOURS = {"draft": "\033[32m", "copy": "\033[36m", "level2": "\033[33m", "level3": "\033[35m", "target": ""}
 RESET = "\033[0m"
@@ -43,8 +50,15 @@ def add_settings(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None
                            help=f"{spec.help}{more}" + ("" if default is None else f" (default: {default})"))
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (and exit code 2), like every other refusal."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m core", description="TriForce long-context generation")
+    p = Parser(prog="python -m core", description="TriForce long-context generation")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("generate", "generate an answer"), ("compare", "run AR and TriForce on the same input")):
         s = sub.add_parser(name, help=help_)
@@ -55,6 +69,10 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--target", help="target model: hub id, directory or .gguf (default: embedded SmolLM2)")
         s.add_argument("--device")
         s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+        s.add_argument("--gpu-memory-gib", type=float, help="GPU memory the run may use (default: all); a full KV "
+                       "cache beyond it is kept in CPU memory (--offload auto)")
+        s.add_argument("--tp", type=int, help="tensor parallel over N processes, spawned here (under torchrun: its "
+                       "processes): each holds 1/N of the target's heads, KV caches and MLP")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -90,30 +108,56 @@ def _summary(f: Finished) -> dict:
     return {"text": f.text, "prompt_ids": f.prompt_ids, "token_ids": f.token_ids, "stats": f.stats.to_dict()}
 
 
+def read_document(path: str) -> str:
+    """The text of a document file; one too large to hold an allowed document is refused before it is read."""
+    size = Path(path).stat().st_size
+    if size > 4 * MAX_DOCUMENT_CHARS:  # UTF-8 takes at most 4 bytes a character
+        raise TriForceError(f"{path} has {size:,} bytes, over the {MAX_DOCUMENT_CHARS:,}-character document limit")
+    return Path(path).read_text(encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    transformers.logging.set_verbosity_error()  # refusals are one line: no loader warnings around them
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, or launch's
+    if world == 1 and (args.tp or 1) > 1:  # start the group: each process runs this command as one rank
+        return launch(args.tp, main, sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        document = Path(args.doc).read_text(encoding="utf-8")
-        methods = [args.method] if args.command == "generate" else ["ar", "triforce"]
-        configs = [_config(args, m) for m in methods]
-        engine = Engine.load(args.target, args.draft, args.device, args.dtype)
-        if args.command == "generate":
-            result = _run(engine, document, args, configs[0], show=not args.json)
-            if args.json:
-                print(json.dumps(_summary(result)))
-            else:
-                print(f"\n\n{_stats_line(result.stats)}" + (f"\n{LEGEND}" if sys.stdout.isatty() else ""))
-            return 0
-        ar, tf = (_run(engine, document, args, cfg, show=False) for cfg in configs)
-        same = ar.token_ids == tf.token_ids
-        if args.json:
-            print(json.dumps({"ar": _summary(ar), "triforce": _summary(tf), "identical": same,
-                              "speedup": tf.stats.tokens_per_s / ar.stats.tokens_per_s}))
-        else:
-            print(f"{_stats_line(ar.stats)}\n{_stats_line(tf.stats)}\n"
-                  f"speedup {tf.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x, outputs "
-                  + ("token-identical" if same else "differ") + f"\n\n{tf.text}")
-        return 1 if args.greedy and not same else 0
+        if args.tp is not None and args.tp != world and (world > 1 or args.tp < 1):
+            raise TriForceError(f"--tp {args.tp}: " + (f"torchrun started {world} processes" if world > 1 else
+                                                       "must be at least 1"))
+        with contextlib.ExitStack() as stack:
+            tp = stack.enter_context(joined(args.device)) if world > 1 else None
+            if rank:  # only rank 0 prints
+                stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+            return _main(args, tp)
     except (TriForceError, OSError, UnicodeDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not rank:
+            print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
+    """The command, in this process (one rank of a tensor-parallel group when `tp`)."""
+    document = read_document(args.doc)
+    methods = [args.method] if args.command == "generate" else ["ar", "triforce"]
+    configs = [_config(args, m) for m in methods]
+    engine = Engine.load(args.target, args.draft, args.device, args.dtype, gpu_memory_gib=args.gpu_memory_gib, tp=tp)
+    if args.command == "generate":
+        result = _run(engine, document, args, configs[0], show=not args.json)
+        if args.json:
+            print(json.dumps(_summary(result)))
+        else:
+            print(f"\n\n{_stats_line(result.stats)}" + (f"\n{LEGEND}" if sys.stdout.isatty() else ""))
+        return 0
+    ar, tf = (_run(engine, document, args, cfg, show=False) for cfg in configs)
+    same = ar.token_ids == tf.token_ids
+    if args.json:
+        print(json.dumps({"ar": _summary(ar), "triforce": _summary(tf), "identical": same,
+                          "speedup": tf.stats.tokens_per_s / ar.stats.tokens_per_s}))
+    else:
+        print(f"{_stats_line(ar.stats)}\n{_stats_line(tf.stats)}\n"
+              f"speedup {tf.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x, outputs "
+              + ("token-identical" if same else "differ") + f"\n\n{tf.text}")
+    return 1 if args.greedy and not same else 0

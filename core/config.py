@@ -30,6 +30,10 @@ class ModelNotFoundError(TriForceError):
     """A model path or id could not be resolved offline."""
 
 
+class UnusableModelError(TriForceError):
+    """A model was found but cannot be used: a corrupt file, an unsupported architecture, or its own code to run."""
+
+
 def _drafters() -> tuple[str, ...]:
     from core.drafters import DRAFTERS
     return ("auto", *DRAFTERS)
@@ -189,8 +193,10 @@ def check(name: str, value: Any, hint: Any, spec: Setting) -> None:
         return
     ok_type = isinstance(value, int) if float not in kinds else isinstance(value, (int, float))
     if not number or isinstance(value, bool) or not ok_type:
+        choices = spec.options()
         want = "a number" if float in kinds else "a whole number" if int in kinds else \
-            "true or false" if bool in kinds else "a list of strings"
+            "true or false" if bool in kinds else "a list of strings" if list in kinds else \
+            f"one of {', '.join(map(str, choices))}" if choices else "a string"
         raise TriForceError(f"{name} must be {want}, got {value!r}")
     if value != value or (spec.low is not None and value < spec.low) or (spec.high is not None and value > spec.high):
         bounds = f">= {spec.low}" if spec.high is None else f"between {spec.low} and {spec.high}"

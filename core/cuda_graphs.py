@@ -4,6 +4,7 @@ so one graph stays valid while the cache grows and rolls back."""
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class Graphs:
 
     def __init__(self):
         self.by_cache: weakref.WeakKeyDictionary[KVCache, dict] = weakref.WeakKeyDictionary()
+        self.capture_s = 0.0  # wall time spent capturing (and compiling kernels for) new graphs so far
 
     @staticmethod
     def applies(model: Transformer, cache: KVCache, n: int) -> bool:
@@ -45,7 +47,10 @@ class Graphs:
         key = (len(ids), n_rows, record)
         g = graphs.get(key)
         if g is None:
-            g = graphs[key] = _capture(model, cache, torch.tensor(ids, device=cache.k.device), n_rows, record)
+            t0 = time.perf_counter()
+            g = graphs[key] = _capture(model, cache, torch.tensor(ids, device=cache.device), n_rows, record)
+            torch.cuda.synchronize(cache.device)
+            self.capture_s += time.perf_counter() - t0
         else:
             g.ids.copy_(torch.tensor(ids), non_blocking=True)
         g.graph.replay()
@@ -54,13 +59,17 @@ class Graphs:
 
 
 def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int, record: int) -> Graph:
-    """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture one step."""
+    """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture one step; the cache's host
+    bookkeeping is put back after each (the caller's replay is the step that counts)."""
+    before = cache.seq_len
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         model.step(ids, cache, n_rows, record)
+    cache.truncate(before)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         hidden, queries = model.step(ids, cache, n_rows, record)
+    cache.truncate(before)
     return Graph(graph, ids, hidden, queries)

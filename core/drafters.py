@@ -12,6 +12,7 @@ from core.cuda_graphs import Graphs
 from core.kvcache import CachePool, StreamingCache
 from core.levels import Level
 from core.model import Transformer
+from core.parallel import agree
 from core.repetition import Repetition
 from core.sampling import distributions, sample
 
@@ -168,8 +169,8 @@ class ModelDrafter:
             logits = model.head(model.fusion(h, feature, len(tokens) + 1) if fuse else h)
             q = distributions(self.repetition(logits if ids is not None else self._align(logits), seq,
                                               extra + tokens, ids), self.cfg)[0]
-            if self.cfg.draft_confidence and self._confidence(logits, q) < self.cfg.draft_confidence:
-                break  # stopping depends on the draft alone, so verification stays exact
+            if self.cfg.draft_confidence and agree(self._confidence(logits, q) < self.cfg.draft_confidence)[0]:
+                break  # stopping depends on the draft alone, so verification stays exact (rank 0's call: one path)
             x = sample(q, self.generator)
             tokens.append(int(ids[x]) if ids is not None else x)
             qs.append(q.new_zeros(self.vocab_size).index_copy_(0, ids, q) if ids is not None else q)

@@ -41,6 +41,8 @@ class PromptReady(Event):
     max_new_tokens: int
     chunk_size: int
     chunk_texts: list[str]  # decoded text of each prompt chunk (for hover / highlighting)
+    offloaded: bool = False  # the full KV cache lives in CPU memory, streamed to the GPU layer by layer
+    caches: dict = field(default_factory=dict)  # name -> {"where": "GPU" | "CPU", "bytes": int}
 
 
 @dataclass
@@ -141,18 +143,25 @@ class Stats(Acceptance):
     dropped_tokens: int
     prefill_s: float
     prefill_reused: bool
-    decode_s: float
+    decode_s: float  # decoding wall time, less warmup_s
     tokens_per_s: float
     time_to_first_token_s: float
     target_forwards: int
     tokens_per_target_forward: float
     level1_steps: int = 0  # forwards of a level-1 draft model
+    drafter: str = ""  # the level-1 drafter that ran (model, ngram, none; "" for autoregressive)
     cache_bytes: int = 0
     retrieval_cache_bytes: int = 0
+    level1_cache_bytes: int = 0  # the level-1 draft model's StreamingLLM cache
+    target_weight_bytes: int = 0  # weights one target forward reads (all but the embedding table unless tied)
+    level1_weight_bytes: int = 0  # the same for the level-1 draft model (0: none ran)
     stop_reason: str = ""
     device: str = ""
     dtype: str = ""
     settings: dict = field(default_factory=dict)
+    warmup_s: float = 0.0  # capturing CUDA graphs and compiling kernels for shapes first seen in this run
+    offloaded: bool = False
+    host_link_bytes: int = 0  # bytes copied between CPU and GPU memory while decoding (offloaded full cache)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "level1_acceptance": self.level1_acceptance,

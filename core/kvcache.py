@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import weakref
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
 from core.model import Rotary
 from core.ops import DECODE_TOKENS, rotate
+
+T = TypeVar("T")
+
+
+def reusable(capacity: int, need: int) -> bool:
+    """Whether a cache of `capacity` slots may serve a run needing `need`: it fits, and holds at most twice that."""
+    return need <= capacity <= 2 * need
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked when `pin` (registered at its exact size: the caching pinned
+    allocator would round a large block up to a power of two)."""
+    t = torch.empty(shape, dtype=dtype)
+    if pin and t.numel():
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise MemoryError(f"could not page-lock {t.numel() * t.element_size() / 2**30:.1f} GiB of host memory "
+                              f"(CUDA error {int(err)})")
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 class KVCache:
@@ -19,17 +41,20 @@ class KVCache:
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str, head: int = 0, start: int = 0):
-        shape = (n_layers, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.device = torch.device(device)  # where the model computes with it (a subclass may store elsewhere)
+        self.k, self.v = self._buffers((n_layers, n_kv_heads, capacity, head_dim), dtype)
         self.head, self.start, self.used = head, start, head
         self._n = 0
         # On CUDA, [first position, first slot] of the new tokens also live in device memory, so that decode kernels
         # read lengths from there and a CUDA graph of a step stays valid as the cache grows.
-        self.on_cuda = torch.device(device).type == "cuda"
+        self.on_cuda = self.device.type == "cuda"
         if self.on_cuda:
             self.meta = torch.zeros(2, dtype=torch.int64, device=device)
             self.steps = torch.arange(DECODE_TOKENS, device=device)
+
+    def _buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value storage [layers, kv_heads, capacity, head_dim]."""
+        return torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -68,7 +93,7 @@ class KVCache:
         """Sequence positions of the new tokens (a device tensor; read from device memory on CUDA decode steps)."""
         if self.on_cuda and self._n <= DECODE_TOKENS:
             return self.meta[0] + self.steps[:self._n]
-        return torch.arange(self._first_position(), self._first_position() + self._n, device=self.k.device)
+        return torch.arange(self._first_position(), self._first_position() + self._n, device=self.device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's key and value buffers [Hkv, capacity, D]."""
@@ -76,6 +101,16 @@ class KVCache:
 
     def attended(self, i: int) -> None:
         """Layer i of the current step has stored its new keys/values and attended (a hook for subclasses)."""
+
+    def stream_layers(self, length: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(layer, keys, values) of positions' slots [0, length) [Hkv, length, D] on the compute device, one layer
+        at a time (a layer's tensors are valid until the next is asked for)."""
+        for i in range(self.k.shape[0]):
+            yield i, self.k[i, :, :length], self.v[i, :, :length]
+
+    def read(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [a, b), [layers, Hkv, b - a, D]."""
+        return self.k[:, :, self.slot(a):self.slot(b)], self.v[:, :, self.slot(a):self.slot(b)]
 
     def end(self) -> None:
         self.used += self._n
@@ -86,8 +121,9 @@ class KVCache:
 
     def copy_positions(self, src: "KVCache", a: int, b: int) -> None:
         """Overwrite positions [a, b) with src's keys/values for them."""
-        self.k[:, :, self.slot(a):self.slot(b)] = src.k[:, :, src.slot(a):src.slot(b)]
-        self.v[:, :, self.slot(a):self.slot(b)] = src.v[:, :, src.slot(a):src.slot(b)]
+        k, v = src.read(a, b)
+        self.k[:, :, self.slot(a):self.slot(b)] = k
+        self.v[:, :, self.slot(a):self.slot(b)] = v
 
 
 class StreamingCache(KVCache):
@@ -138,7 +174,7 @@ class StreamingCache(KVCache):
         if e <= 0:
             return
         s, u = self.sink, self.used
-        angle = -e * self.rotary.inv_freq.to(self.k.device)
+        angle = -e * self.rotary.inv_freq.to(self.device)
         emb = torch.cat((angle, angle))
         cos, sin = emb.cos().to(self.k.dtype), emb.sin().to(self.k.dtype)
         self.k[:, :, s:u - e] = rotate(self.k[:, :, s + e:u].clone(), cos, sin)
@@ -147,7 +183,8 @@ class StreamingCache(KVCache):
 
 
 class CachePool:
-    """Static caches kept for later generations of one engine, so that the CUDA graphs captured on them are reused."""
+    """Static caches kept for later generations of one engine, so that the CUDA graphs captured on them are reused;
+    it keeps at most the caches the last generation used."""
 
     def __init__(self):
         self.caches: list[KVCache] = []
@@ -156,6 +193,20 @@ class CachePool:
     def release(self) -> None:
         """A new generation starts: every cache is free again."""
         self.taken.clear()
+
+    def trim(self) -> None:
+        """A generation ended: free the caches it did not use (their memory is given back), keep the others."""
+        self.caches = [c for c in self.caches if id(c) in self.taken]
+        self.taken.clear()
+
+    def during(self, events: Iterator[T]) -> Iterator[T]:
+        """The events of one generation, every cache free at its start and the pool trimmed when it ends (finished,
+        failed or closed)."""
+        self.release()
+        try:
+            yield from events
+        finally:
+            self.trim()
 
     def take(self, fits: Callable[[KVCache], bool], make: Callable[[], KVCache]) -> KVCache:
         """A free cache that `fits`, else a new one from make()."""

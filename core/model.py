@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from core.config import UnusableModelError
 from core.ops import TORCH, TorchOps, ops_for
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -82,7 +83,8 @@ class ModelArgs:
     def from_config(cls, config: PretrainedConfig) -> "ModelArgs":
         model_type = config.model_type
         if model_type not in SUPPORTED_TYPES:
-            raise ValueError(f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+            raise UnusableModelError(f"model type {model_type!r} is not supported (supported: "
+                                     f"{', '.join(SUPPORTED_TYPES)})")
         n_heads = config.num_attention_heads
         return cls(
             model_type=model_type,
@@ -275,7 +277,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, args.head_dim)
         self.vocab_ids: torch.Tensor | None = None  # the token ids lm_head scores when it covers only some of them
-        self.fusion: Fusion | None = None  # a draft's late fusion of the target's hidden states (core.distill)
+        self.fusion: Fusion | None = None  # a draft's late fusion of the target's hidden states (distill)
         self._ops: TorchOps | None = None
 
     @property

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from core.events import RetrievalSelection
-from core.kvcache import CachePool, KVCache
+from core.kvcache import CachePool, KVCache, pinned_empty, reusable
 from core.levels import Level, common_prefix
 from core.ops import TORCH, TorchOps
 
@@ -36,14 +36,17 @@ class ChunkIndex:
         return self.length - self.num_chunks * self.chunk_size
 
     @classmethod
-    def build(cls, full: KVCache, length: int, chunk_size: int) -> "ChunkIndex":
-        """Means computed in float32, stored in the cache's dtype (half the memory and read time in bf16)."""
+    def build(cls, full: KVCache, length: int, chunk_size: int, device: torch.device | None = None) -> "ChunkIndex":
+        """Means computed in float32 one layer at a time (a float32 copy of a long cache would not fit), stored in the
+        cache's dtype (half the memory and read time in bf16) on `device` (default: the cache's compute device)."""
         n = length // chunk_size
         layers, heads, _, d = full.k.shape
-        mean = torch.empty(layers, heads, n, d, dtype=full.k.dtype, device=full.k.device)
-        for layer in range(layers):  # one layer at a time: a float32 copy of a whole long cache would not fit
-            keys = full.k[layer, :, :n * chunk_size].float()
-            mean[layer] = keys.view(heads, n, chunk_size, d).mean(2)
+        device = device or full.device
+        shape = (layers, heads, n, d)
+        mean = pinned_empty(shape, full.k.dtype, full.on_cuda) if device.type == "cpu" else \
+            torch.empty(shape, dtype=full.k.dtype, device=device)
+        for layer, keys, _ in full.stream_layers(n * chunk_size):
+            mean[layer].copy_(keys.float().reshape(heads, n, chunk_size, d).mean(2), non_blocking=True)
         return cls(mean, chunk_size, length)
 
 
@@ -53,8 +56,12 @@ def chunks_to_keep(index: ChunkIndex, budget: int) -> int:
 
 
 def chunk_scores(mean_keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """query . mean key [layers, kv_heads, chunks] in float32: one batched GEMV; bf16 means on a GPU are multiplied
-    as they are, with float32 output (ranking thousands of scores needs more than bf16's 8 bits)."""
+    """query . mean key [layers, kv_heads, chunks] in float32 on the queries' device: one batched GEMV; bf16 means on
+    a GPU are multiplied as they are, with float32 output (ranking thousands of scores needs more than bf16's 8
+    bits). Means kept in CPU memory next to a GPU are brought over one layer at a time."""
+    if mean_keys.device != queries.device:
+        return torch.cat([chunk_scores(m.to(queries.device, non_blocking=True)[None], q[None])
+                          for m, q in zip(mean_keys, queries)])
     layers, heads, chunks, d = mean_keys.shape
     m = mean_keys.flatten(0, 1)
     if m.is_cuda and m.dtype != torch.float32:
@@ -105,24 +112,32 @@ def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, 
     """Fill into's head slots with the selected chunks' keys/values, followed by the partial tail chunk."""
     cs = index.chunk_size
     n = chunk_ids.shape[-1] * cs
-    ops.gather_chunks(full.k[:, :, :index.length], full.v[:, :, :index.length], chunk_ids, cs, into.k, into.v)
     tail = slice(index.length - index.tail, index.length)
-    into.k[:, :, n:n + index.tail] = full.k[:, :, tail]
-    into.v[:, :, n:n + index.tail] = full.v[:, :, tail]
+    if type(full).stream_layers is KVCache.stream_layers:  # the whole cache is on the device: one launch
+        ops.gather_chunks(full.k[:, :, :index.length], full.v[:, :, :index.length], chunk_ids, cs, into.k, into.v)
+        into.k[:, :, n:n + index.tail] = full.k[:, :, tail]
+        into.v[:, :, n:n + index.tail] = full.v[:, :, tail]
+        return
+    for i, k, v in full.stream_layers(index.length):  # as each layer reaches the device
+        ops.gather_chunks(k[None], v[None], chunk_ids[i:i + 1], cs, into.k[i:i + 1], into.v[i:i + 1])
+        into.k[i, :, n:n + index.tail] = k[:, tail]
+        into.v[i, :, n:n + index.tail] = v[:, tail]
 
 
 def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int, pool: CachePool | None = None
                     ) -> KVCache:
-    """An empty retrieval cache sized for `budget` prompt tokens (+ tail) and `extra` later tokens (from `pool`
-    when one fits; its capacity then also covers any tail, so one cache serves prompts of any length)."""
-    head = chunks_to_keep(index, budget) * index.chunk_size + index.tail
+    """An empty retrieval cache for the chunks `budget` buys of this prompt (+ tail) and `extra` later tokens (from
+    `pool` when a cache of about that size is free; a new one's capacity also covers any tail, so that it serves
+    later prompts with the same budget)."""
+    kept = chunks_to_keep(index, budget) * index.chunk_size
+    head = kept + index.tail
     n_layers, n_kv, _, d = full.k.shape
     if pool is None:
-        return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.k.device, head=head, start=index.length)
-    shape = (n_layers, n_kv, budget + index.chunk_size + extra, d)
-    cache = pool.take(lambda c: type(c) is KVCache and c.k.shape[:2] == shape[:2] and c.k.shape[3] == d
-                      and c.capacity >= head + extra and c.k.dtype == full.k.dtype,
-                      lambda: KVCache(n_layers, n_kv, d, shape[2], full.k.dtype, full.k.device))
+        return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.device, head=head, start=index.length)
+    need = kept + index.chunk_size + extra
+    cache = pool.take(lambda c: type(c) is KVCache and c.k.shape[:2] == (n_layers, n_kv) and c.k.shape[3] == d
+                      and reusable(c.capacity, need) and c.k.dtype == full.k.dtype,
+                      lambda: KVCache(n_layers, n_kv, d, need, full.k.dtype, full.device))
     cache.reset(head, index.length)
     return cache
 
@@ -169,11 +184,12 @@ def selection_policy(reselect: str | int) -> SelectionPolicy:
 class Retrieval:
     """Level 2's cache: the selected prompt chunks plus every later token, re-selected by policy."""
 
-    def __init__(self, full: KVCache, cfg: GenerationConfig, ops: TorchOps = TORCH, pool: CachePool | None = None):
+    def __init__(self, full: KVCache, cfg: GenerationConfig, ops: TorchOps = TORCH, pool: CachePool | None = None,
+                 index_device: torch.device | None = None):
         self.full, self.cfg, self.ops = full, cfg, ops
         self.policy = selection_policy(cfg.reselect)
         self.selector = LEVEL2_CACHES[cfg.level2_cache](cfg)
-        self.index = ChunkIndex.build(full, full.seq_len, cfg.chunk_size)
+        self.index = ChunkIndex.build(full, full.seq_len, cfg.chunk_size, index_device)
         self.n_select = chunks_to_keep(self.index, cfg.budget)
         self.cache = retrieval_cache(full, self.index, cfg.budget, cfg.max_new_tokens + cfg.gamma1 + cfg.gamma2 + 2,
                                      pool)

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from core.config import GenerationConfig
+from core.parallel import agree
 
 
 def distributions(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
@@ -44,6 +45,11 @@ def nucleus(probs: torch.Tensor, top_p: float, heads: tuple[int, ...] = (256, 40
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id drawn from probs [V] (under tensor parallelism: rank 0's draw, on every rank)."""
+    return agree(_draw(probs, generator))[0]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token id from probs [V] by inverting its CDF at one uniform draw (float64: a zero-probability token
     is never drawn; much cheaper than multinomial's exponential draw per token on a CPU)."""
     cdf = probs.double().cumsum(-1)
@@ -64,7 +70,8 @@ def speculative_verify(draft: list[int], q: torch.Tensor | None, p: torch.Tensor
     """Verify draft tokens proposed from q [k, V] (None: deterministic proposals) against p [k + 1, V].
 
     Returns (accepted count, next token): a sample from the residual after the first rejection, else a bonus
-    token from p's last row. The accepted tokens followed by the next token are distributed exactly as p.
+    token from p's last row. The accepted tokens followed by the next token are distributed exactly as p. Under
+    tensor parallelism every rank returns rank 0's verdict.
     """
     pxs, qxs = [], []
     if draft:  # one device sync for the whole draft, not two per token
@@ -76,5 +83,5 @@ def speculative_verify(draft: list[int], q: torch.Tensor | None, p: torch.Tensor
             continue
         qi = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(x, device=p.device),
                                                                      p.shape[-1]).float()
-        return i, sample(residual(p[i], qi), generator)
-    return len(draft), sample(p[len(draft)], generator)
+        return agree(i, _draw(residual(p[i], qi), generator))
+    return agree(len(draft), _draw(p[len(draft)], generator))

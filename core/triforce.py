@@ -35,15 +35,16 @@ class Draft:
 
 class TriForce:
     """One generation: rounds of level-3 verification until `out` says stop. The target level's full cache must
-    hold prompt[:-1]; `queries` are the ones its prefill recorded for the last prompt row (the first selection)."""
+    hold prompt[:-1]; `queries` are the ones its prefill recorded for the last prompt row (the first selection);
+    `index_device`: where the chunk index is kept (default: the model's device)."""
 
     def __init__(self, target: Level, prompt: list[int], queries: list[torch.Tensor], drafter: Drafter,
                  cfg: GenerationConfig, generator: torch.Generator, out: Output, pool: CachePool | None = None,
-                 graphs: Graphs | None = None):
+                 graphs: Graphs | None = None, index_device: torch.device | None = None):
         self.target, self.prompt, self.queries, self.drafter = target, prompt, queries, drafter
         self.cfg, self.generator, self.out = cfg, generator, out
         model = target.model
-        self.retrieval = Retrieval(target.cache, cfg, model.ops, pool)
+        self.retrieval = Retrieval(target.cache, cfg, model.ops, pool, index_device)
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs)
         self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
         self.counts = Acceptance()
@@ -85,14 +86,16 @@ class TriForce:
 
     def draft_level2(self, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
                      ) -> Generator[Event, None, Draft]:
-        """Level 2 produces up to gamma2 tokens, verifying level-1 proposals; yields events, returns the draft.
-        `feature`: the hidden state that produced seq's last token, for a drafter that uses it."""
+        """Level 2 produces up to gamma2 tokens, and no more than the answer still wants, verifying level-1
+        proposals; yields events, returns the draft. `feature`: the hidden state that produced seq's last token, for a
+        drafter that uses it. (The length depends on the emitted count alone, so verification stays exact.)"""
         cfg, level2 = self.cfg, self.level2
+        want = min(cfg.gamma2, cfg.max_new_tokens - len(self.out.ids))
         draft = Draft()
-        while len(draft.tokens) < cfg.gamma2:
+        while len(draft.tokens) < want:
             t0 = time.perf_counter()
-            proposals, q1, copied = self.drafter.propose(seq, min(cfg.gamma1, cfg.gamma2 - len(draft.tokens)),
-                                                         committed, draft.tokens, feature)
+            proposals, q1, copied = self.drafter.propose(seq, min(cfg.gamma1, want - len(draft.tokens)), committed,
+                                                         draft.tokens, feature)
             t1 = time.perf_counter()
             h2 = level2.states(seq, len(proposals) + 1, committed, draft.tokens + proposals)
             p2 = distributions(self.repetition(level2.model.head(h2), seq, draft.tokens + proposals), cfg)
@@ -109,5 +112,5 @@ class TriForce:
             feature = h2[accepted]
             draft.q += list(p2[:accepted + 1])
             draft.provenance += ["copy" if c else "draft" for c in copied[:accepted]] + ["level2"]
-        del draft.tokens[cfg.gamma2:], draft.q[cfg.gamma2:], draft.provenance[cfg.gamma2:]
+        del draft.tokens[want:], draft.q[want:], draft.provenance[want:]
         return draft

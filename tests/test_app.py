@@ -13,20 +13,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core import TriForceError
+from core import GenerationConfig, TriForceError
+from core.config import settings
 from core.text import html_to_text
 
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, DocumentError, load_samples, read_document
-from app.figures import HEATMAP_MODES, compare_bars, pick_rows, selection_heatmap
+from app.figures import HEATMAP_MODES, compare_bars, cost_figure, pick_rows, selection_heatmap
 from app.presets import CUSTOM, EMBEDDED, PRESETS, all_presets, env_preset
-from app.settings import build_config
-from app.state import MAX_COLUMNS, RunState, apply_event, bin_edges, bin_max, live_stats
-from app.views import PROVENANCE_LABELS, SPAN_LABELS, answer_pieces, document_view, stats_markdown, status_markdown
+from app.settings import app_settings, build_config, build_panel
+from app.state import MAX_COLUMNS, RunState, apply_event, bin_edges, bin_max, level_costs, live_stats
+from app.views import (PROVENANCE_LABELS, REJECTED_LABELS, SPAN_LABELS, answer_pieces, document_view, stats_markdown,
+                       status_markdown, struck, timeline_html)
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(max_new_tokens=16, budget=128, chunk_size=8, gamma1=2, gamma2=6, drafter="auto", reselect="once",
-                reselect_every=8, temperature=0.6, top_p=0.9, seed=0, greedy=True, overflow="truncate")
+                temperature=0.6, top_p=0.9, seed=0, greedy=True, overflow="truncate")
 BROKEN_TARGET = "/nonexistent/triforce-target"
 
 
@@ -67,6 +69,12 @@ def tokens_event(texts: list[str], provenance: list[str], round_: int) -> dict:
     """A Tokens event dict."""
     return {"kind": "Tokens", "ids": list(range(len(texts))), "texts": texts, "provenance": provenance,
             "round": round_}
+
+
+def verdict_event(level: int, round_: int, texts: str, accepted: int, bonus: bool = False) -> dict:
+    """A Verdict event dict proposing one token per character of `texts`, with the texts the app's engine side adds."""
+    return {"kind": "Verdict", "level": level, "round": round_, "proposed": [ord(c) for c in texts],
+            "accepted": accepted, "token": 0, "bonus": bonus, "proposed_texts": list(texts)}
 
 
 # ---------------------------------------------------------------- documents
@@ -133,21 +141,68 @@ def test_presets_from_environment() -> None:
 
 
 def test_build_config_maps_widgets_and_explains_bad_values() -> None:
-    config = build_config(method="triforce", **{**SETTINGS, "reselect": "every N rounds", "reselect_every": 4.0,
-                                                "drafter": "ngram"})
+    config = build_config("triforce", {**SETTINGS, "reselect": "4", "drafter": "ngram"})
     assert (config.reselect, config.drafter, config.max_new_tokens, config.greedy) == (4, "ngram", 16, True)
-    assert build_config(method="ar", **{**SETTINGS, "reselect": "every verification"}).reselect == "every_verify"
+    assert build_config("ar", {**SETTINGS, "reselect": "every_verify"}).reselect == "every_verify"
     with pytest.raises(TriForceError, match="multiple of chunk_size"):
-        build_config(method="triforce", **{**SETTINGS, "budget": 100})
+        build_config("triforce", {**SETTINGS, "budget": 100})
     with pytest.raises(TriForceError, match="whole number"):
-        build_config(method="triforce", **{**SETTINGS, "max_new_tokens": 2.5})
+        build_config("triforce", {**SETTINGS, "max_new_tokens": 2.5})
     with pytest.raises(TriForceError, match="empty"):
-        build_config(method="triforce", **{**SETTINGS, "seed": None})
+        build_config("triforce", {**SETTINGS, "seed": None})
     with pytest.raises(TriForceError, match="top_p"):
-        build_config(method="triforce", **{**SETTINGS, "top_p": 0})
-    assert build_config(method="triforce", **{**SETTINGS, "lookup_min": 4.0}).lookup_min == 4
+        build_config("triforce", {**SETTINGS, "top_p": 0})
+    assert build_config("triforce", {**SETTINGS, "lookup_min": 4.0}).lookup_min == 4
     with pytest.raises(TriForceError, match="lookup_min"):
-        build_config(method="triforce", **{**SETTINGS, "lookup_min": -1})
+        build_config("triforce", {**SETTINGS, "lookup_min": -1})
+
+
+def test_build_config_reads_text_blanks_and_defaults() -> None:
+    config = build_config("triforce", {"budget": " 256 ", "gamma2": "", "max_new_tokens": "32", "temperature": "0.5",
+                                       "reselect": " once ", "document": "ignored"})
+    assert (config.budget, config.gamma2, config.max_new_tokens, config.temperature) == (256, None, 32, 0.5)
+    assert build_config("triforce", {}) == GenerationConfig().validate()  # a missing setting keeps its default
+    top = 2**63 - 1  # the largest seed, exact as a number and as text (a float would round it past the limit)
+    assert build_config("triforce", {"seed": top}).seed == build_config("triforce", {"seed": str(top)}).seed == top
+    for name, raw, message in (("max_new_tokens", "many", "Max new tokens must be a whole number, got 'many'"),
+                               ("temperature", "hot", "Temperature must be a number"),
+                               ("budget", "12.5", "whole number"), ("greedy", "yes", "true or false"),
+                               ("reselect", "sometimes", "once, every_verify or a whole number"),
+                               ("seed", [1], "whole number"), ("max_new_tokens", "", "empty"),
+                               ("temperature", "nan", "must be a number"), ("top_p", float("inf"), "must be a number")):
+        with pytest.raises(TriForceError, match=message) as err:
+            build_config("triforce", {name: raw})
+        assert "\n" not in str(err.value)
+
+
+def test_settings_panel_is_built_from_the_declarations() -> None:
+    import gradio as gr
+
+    with gr.Blocks():
+        panel = build_panel({"budget": 512}, {"budget": "512 is this preset's choice"})
+    declared = {name for name, (_, spec) in settings().items() if spec.app}
+    assert list(panel) == list(app_settings()) and set(panel) == declared
+    for name, component in panel.items():
+        spec = settings()[name][1]
+        assert component.label == spec.label and component.info.startswith(spec.help)
+    kinds = {name: type(component) for name, component in panel.items()}
+    assert kinds["greedy"] is gr.Checkbox and kinds["drafter"] is gr.Radio and kinds["overflow"] is gr.Radio
+    assert kinds["temperature"] is gr.Slider and kinds["chunk_size"] is gr.Slider
+    assert kinds["max_new_tokens"] is gr.Number and kinds["seed"] is gr.Number
+    assert kinds["budget"] is gr.Textbox and kinds["gamma2"] is gr.Textbox and panel["gamma2"].value == ""
+    assert panel["budget"].value == "512" and "preset's choice" in panel["budget"].info
+    reselect = panel["reselect"]
+    assert type(reselect) is gr.Dropdown and reselect.allow_custom_value and reselect.value == "once"
+    assert [value for _, value in reselect.choices][:2] == ["once", "every_verify"] and ("8", "8") in reselect.choices
+    assert (panel["temperature"].minimum, panel["temperature"].maximum, panel["temperature"].step) == (0.0, 2.0, 0.05)
+    assert panel["max_new_tokens"].value == GenerationConfig.max_new_tokens
+
+
+def test_preset_budget_is_the_presets_choice() -> None:
+    update = callbacks.preset_budget(EMBEDDED)
+    assert update["value"] == "512" and "preset's choice" in update["info"]
+    paper = callbacks.preset_budget(PRESETS[1].name)
+    assert paper["value"] == "" and "preset" not in paper["info"]
 
 
 # ---------------------------------------------------------------- reducer, views, figures
@@ -179,14 +234,79 @@ def test_reducer_tracks_tokens_selection_and_acceptance() -> None:
     apply_event(state, tokens_event(["d"], ["level3"], 1), now=2.5)
     assert state.totals.tolist()[:2] == [4, 4] and state.max_count == 4
     assert state.step_rounds == [0, 1] and state.step_selection == [0, 1]
-    assert answer_pieces(state) == [("A", PROVENANCE_LABELS["draft"]), ("b", PROVENANCE_LABELS["level2"]),
-                                    ("c", PROVENANCE_LABELS["level3"]), ("d", PROVENANCE_LABELS["level3"])]
+    assert answer_pieces(state, show_rejected=False) == [
+        ("A", PROVENANCE_LABELS["draft"]), ("b", PROVENANCE_LABELS["level2"]), ("c", PROVENANCE_LABELS["level3"]),
+        ("d", PROVENANCE_LABELS["level3"])]
+    # without the texts the app's engine side adds, a rejected draft shows its token id
+    assert [piece for piece in answer_pieces(state) if piece[1] in REJECTED_LABELS.values()] == [
+        (struck("⟨2⟩"), REJECTED_LABELS[2]), (struck("⟨3⟩"), REJECTED_LABELS[3])]
     stats = live_stats(state, now=3.5)
     assert stats["level1_acceptance"] == 0.5 and stats["level2_acceptance"] == pytest.approx(2 / 3)
     assert stats["tokens_per_s"] == pytest.approx(4 / 2.0) and stats["tokens_per_target_forward"] == 4.0
     assert stats["budget_pct_of_context"] == pytest.approx(100 * 64 / 160) and not stats["finished"]
     first = state.selection_columns[0]
     assert first[0] == 4 and first[7] == 3 and first[19] == 1 and first[1] == 0
+
+
+def test_rejected_drafts_are_placed_where_they_were_tried() -> None:
+    state = RunState()
+    # round 0 (γ2 = 4): level 2 keeps a of "ab", none of "cd", then e; level 3 keeps A of "ABCD" and corrects to X
+    for ev in (verdict_event(2, 0, "ab", 1), verdict_event(2, 0, "cd", 0), verdict_event(2, 0, "e", 1, bonus=True),
+               verdict_event(3, 0, "ABCD", 1), tokens_event(["A", "X"], ["draft", "level3"], 0),
+               verdict_event(2, 1, "fg", 2, bonus=True), verdict_event(3, 1, "FGH", 3, bonus=True),
+               tokens_event(["F", "G", "H", "Y"], ["draft", "draft", "level2", "level3"], 1),
+               verdict_event(3, 2, "IJK", 2), tokens_event(["I"], ["level2"], 2)):  # the answer ends after I
+        apply_event(state, ev)
+    level1, level2 = REJECTED_LABELS[2], REJECTED_LABELS[3]
+    # "b" was tried at position 1 and rejected by level 2; level 3 rejected B there, and with it the run CD, inside
+    # which level 2 had rejected "cd"; the K level 3 rejected in round 2 lies beyond the answer (cut after I)
+    assert state.rejected == [(1, 2, "b"), (1, 3, "B"), (1, 2, "cd"), (1, 3, "CD")]
+    assert answer_pieces(state) == [("A", PROVENANCE_LABELS["draft"]), (struck("b"), level1), (struck("B"), level2),
+                                    (struck("cd"), level1), (struck("CD"), level2), ("X", PROVENANCE_LABELS["level3"]),
+                                    *answer_pieces(state, show_rejected=False)[2:]]
+    assert [text for text, _ in answer_pieces(state, show_rejected=False)] == list("AXFGHYI")
+    assert struck("a b\n") == "a\u0336 b\u0336↵\u0336"
+    assert [(t.steps, t.proposed, t.accepted, t.bonus) for t in state.rounds] == [
+        ([(2, 1), (2, 0), (1, 1)], 4, 1, False), ([(2, 2)], 3, 3, True), ([], 3, 2, False)]
+    assert (state.level1_proposed, state.level1_accepted, state.level2_proposed, state.level2_accepted) == (7, 4, 10, 6)
+    strip = timeline_html(state)
+    assert strip.count("'tl-round'") == 3 and "3 rounds" in strip and "level 3 kept 1 of 4 level-2 tokens" in strip
+    first = strip.split("'tl-round'")[1]
+    assert first.count("'ok'") == 1 + 2 and first.count("'no'") == 1 + 2 and first.count("'skip'") == 2 + 1
+    assert timeline_html(state, limit=2).count("'tl-round'") == 2 and "the last 2 shown" in timeline_html(state, 2)
+    assert "drafts nothing" in timeline_html(RunState(method="ar"))
+
+
+def test_level_costs_of_a_finished_run() -> None:
+    state = RunState()
+    apply_event(state, {**selection_event(4, [[[0]]]), "seconds": 0.001})
+    for ev in (verdict_event(2, 0, "ab", 1), verdict_event(2, 0, "c", 1), verdict_event(3, 0, "abc", 3, True),
+               verdict_event(2, 1, "d", 0), verdict_event(3, 1, "d", 0)):
+        apply_event(state, ev)
+    for round_, ms in ((0, 3.0), (1, 2.0)):
+        apply_event(state, {"kind": "StepTiming", "round": round_, "level1_ms": ms, "level2_ms": 2 * ms,
+                            "level3_ms": 3 * ms, "selection_ms": 0.0, "tokens": 1})
+    assert level_costs(state) == [] and live_stats(state)["levels"] == []
+    stats = {"drafter": "model", "level1_steps": 5, "target_forwards": 2, "level1_weight_bytes": 1000,
+             "level1_cache_bytes": 24, "target_weight_bytes": 4000, "retrieval_cache_bytes": 100, "cache_bytes": 1000,
+             "tokens_per_target_forward": 2.5, "device": "cpu", "dtype": "float32"}
+    apply_event(state, {"kind": "Finished", "text": "", "token_ids": [], "prompt_ids": [], "stats": stats})
+    rows = {row["key"]: row for row in level_costs(state)}
+    assert list(rows) == ["level1", "level2", "level3", "selection"]
+    assert (rows["level1"]["steps"], rows["level1"]["ms_per_step"], rows["level1"]["bytes_per_step"]) == (5, 1.0, 1024)
+    assert (rows["level2"]["steps"], rows["level2"]["bytes_per_step"]) == (3, 4100)
+    assert rows["level2"]["ms_per_step"] == pytest.approx(10 / 3)
+    assert (rows["level3"]["steps"], rows["level3"]["ms_per_step"], rows["level3"]["bytes_per_step"]) == (2, 7.5, 5000)
+    assert rows["selection"]["ms"] == pytest.approx(1.0) and rows["selection"]["bytes_per_step"] is None
+    assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
+    assert rows["level3"]["share"] == pytest.approx(15 / 31)
+    assert [row["key"] for row in level_costs(RunState(method="ar", final_stats=stats))] == ["target"]
+    ngram = RunState(rounds=state.rounds, final_stats={**stats, "drafter": "ngram", "level1_steps": 0})
+    assert level_costs(ngram)[0]["steps"] == 3 and "n-gram" in level_costs(ngram)[0]["level"]
+    assert "level1" not in {r["key"] for r in level_costs(RunState(final_stats={**stats, "drafter": "none"}))}
+    figure = cost_figure(live_stats(state)["levels"], 2.5, level_costs(RunState(method="ar", final_stats=stats)))
+    assert len(figure.data) == 3 and len(figure.data[0].y) == 5 and len(figure.data[2].y) == 4
+    assert "2.50 tokens per target forward" in figure.layout.title.text
 
 
 def test_document_view_highlights_kept_chunks_and_summarises_gaps() -> None:
@@ -219,6 +339,23 @@ def test_heatmap_bins_long_documents_and_hovers_with_snippets() -> None:
     assert len(json.dumps(figure)) < 600_000
 
 
+def test_heatmap_hover_shows_document_markup_as_text() -> None:
+    from app.figures import column_labels
+
+    state = RunState()
+    apply_event(state, {**prompt_event(2), "chunk_texts": ["<b>bold</b> & ", "<a href='x'>link</a>"]})
+    apply_event(state, selection_event(2, [[[0, 1]]]))
+    labels = column_labels(state)
+    assert "“&lt;b&gt;bold&lt;/b&gt; &amp;”" in labels[0] and "“&lt;a href=&#x27;x&#x27;&gt;link" in labels[1]
+    assert "<" not in "".join(labels)
+
+
+def test_upload_cache_is_cleaned() -> None:
+    from app.layout import UPLOAD_CACHE, build_demo
+
+    assert build_demo().delete_cache == UPLOAD_CACHE and UPLOAD_CACHE[1] <= 86400
+
+
 def test_heatmap_without_retrieval_says_why() -> None:
     figure = selection_heatmap(RunState(method="ar"))
     assert "no retrieval" in figure.layout.annotations[0].text
@@ -227,8 +364,48 @@ def test_heatmap_without_retrieval_says_why() -> None:
 def test_stats_and_status_mention_truncation() -> None:
     state = RunState()
     apply_event(state, prompt_event(4, dropped=1234))
-    assert "1,234 document tokens were dropped" in status_markdown(state)
+    assert "middle 1,234 tokens were dropped" in status_markdown(state)
     assert "tokens dropped (truncated) | 1234" in stats_markdown(live_stats(state))
+
+
+def test_offloaded_run_says_where_caches_live_and_what_crosses_the_link() -> None:
+    state = RunState()
+    apply_event(state, prompt_event(4))
+    assert "CPU memory" not in status_markdown(state)
+    caches = {"full KV cache": {"where": "CPU", "bytes": 3 * 2**30}, "retrieval cache": {"where": "GPU", "bytes": 2**29}}
+    apply_event(state, {**prompt_event(4), "offloaded": True, "caches": caches})
+    status = status_markdown(state)
+    assert "lives in CPU memory" in status and "full KV cache 3.00 GiB on the CPU" in status
+    assert "retrieval cache 0.50 GiB on the GPU" in status
+    stats = {"new_tokens": 4, "host_link_bytes": 2 * 2**30, "target_forwards": 1, "cache_bytes": 3 * 2**30,
+             "warmup_s": 0.5, "drafter": "none"}
+    apply_event(state, {"kind": "Finished", "text": "", "token_ids": [1, 2, 3, 4], "prompt_ids": [], "stats": stats})
+    table = stats_markdown(live_stats(state))
+    assert "CPU → GPU per token (host link) | 0.50 GiB" in table and "in CPU memory, streamed" in table
+    assert "warm-up (CUDA graphs captured, not in decode time) | 0.50 s" in table
+    assert "streamed from CPU memory" in {r["key"]: r for r in level_costs(state)}["level3"]["level"]
+
+
+def test_a_budget_over_the_prompt_reads_whole_prompt() -> None:
+    state = RunState()
+    state.prompt_tokens, state.budget = 100, 140
+    assert live_stats(state)["budget_pct_of_context"] == 100.0
+    assert "| budget / prompt | 100 % (whole prompt) |" in stats_markdown(live_stats(state))
+
+
+def test_document_line_counts_what_the_run_drops() -> None:
+    from core import GenerationConfig
+    from core.events import PromptReady
+
+    long_doc = (ROOT / "assets" / "docs" / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    engine = callbacks.load_engine(None, None)
+    events = engine.generate(long_doc, "Who is Mr Darcy?", GenerationConfig(max_new_tokens=64))
+    ready = next(events)
+    events.close()
+    assert isinstance(ready, PromptReady) and ready.dropped_tokens > 100_000
+    line = callbacks.describe_document(long_doc, EMBEDDED, 4096, "Who is Mr Darcy?", 64)
+    assert f"drops the middle {ready.dropped_tokens:,} tokens" in line and "64 answer tokens" in line
+    assert "= the whole document" in callbacks.describe_document("A short note.", EMBEDDED, 4096)
 
 
 def test_comparison_summary_checks_token_identity() -> None:
@@ -241,7 +418,15 @@ def test_comparison_summary_checks_token_identity() -> None:
     tf.token_ids = [1, 2, 3]
     assert callbacks.comparison_summary(ar, tf, greedy=True)[1]["identical"] is True
     assert callbacks.comparison_summary(ar, tf, greedy=False)[1]["identical"] is None
-    assert len(compare_bars(live_stats(ar), live_stats(tf)).data) == 6
+    tf.final_stats |= {"device": "cuda:0", "dtype": "bfloat16", "prefill_reused": True, "prefill_s": 0.01}
+    text, summary = callbacks.comparison_summary(ar, tf, greedy=False)
+    assert summary["device"] == "cuda:0 · bfloat16" and "Ran on **cuda:0 · bfloat16**" in text and "reused" in text
+    bars = compare_bars(live_stats(ar), live_stats(tf))
+    assert len(bars.data) == 8 and "cuda:0 · bfloat16" in bars.layout.title.text
+    assert [a.text for a in bars.layout.annotations][2:] == ["prefill (s)", "time to first token (s)"]
+    table = stats_markdown(live_stats(tf))
+    assert "decode: tokens / s | 5.00" in table and "decode: ms / token | 200.0" in table
+    assert "prefill (cache of the previous run reused)" in table and "cuda:0 · bfloat16" in table
 
 
 def test_throttle_limits_rate_but_lets_forced_updates_through() -> None:
@@ -289,12 +474,22 @@ def test_triforce_streams_coloured_tokens_heatmap_and_stats(server, short_doc: s
     _, client = server
     job = client.submit(**run_kwargs(short_doc), api_name="/triforce")
     answers = [len(update[1] or []) for update in job]
-    status, answer, plot, doc_view, stats_md, stats = job.outputs()[-1]
+    status, answer, plot, doc_view, stats_md, stats, timeline, costs = job.outputs()[-1]
     assert status.startswith("✅ Finished")
     assert len([n for n in answers if n]) >= 2 and answers == sorted(answers), "answer did not stream"
     labels = {piece["class_or_confidence"] for piece in answer}
-    assert labels <= {PROVENANCE_LABELS[p] for p in ("draft", "copy", "level2", "level3")} and labels
-    assert "".join(piece["token"] for piece in answer).strip()
+    accepted = [piece for piece in answer if piece["class_or_confidence"] not in REJECTED_LABELS.values()]
+    assert labels <= {PROVENANCE_LABELS[p] for p in ("draft", "copy", "level2", "level3")} | \
+        set(REJECTED_LABELS.values()) and accepted
+    assert "".join(piece["token"] for piece in accepted).strip()
+    assert all("\u0336" in piece["token"] for piece in answer if piece not in accepted)
+    levels = {row["key"]: row for row in stats["levels"]}
+    assert {"level1", "level2", "level3", "selection"} <= set(levels) and levels["level3"]["steps"] >= 1
+    assert levels["level3"]["bytes_per_step"] > levels["level2"]["bytes_per_step"] > levels["level1"]["bytes_per_step"]
+    assert all(levels[key]["ms_per_step"] > 0 for key in ("level1", "level2", "level3"))
+    rounds = levels["level3"]["steps"]
+    assert f"{rounds} rounds" in timeline and timeline.count("'tl-round'") == rounds
+    assert [trace["y"] for trace in json.loads(costs["plot"])["data"]][0][-2].startswith("level 3")
     heat = json.loads(plot["plot"])["data"][0]
     assert heat["type"] == "heatmap"
     z = np.frombuffer(base64.b64decode(heat["z"]["bdata"]), dtype=np.uint8)
@@ -310,17 +505,24 @@ def test_compare_greedy_outputs_are_token_identical(server, short_doc: str) -> N
     _, client = server
     job = client.submit(**run_kwargs(short_doc, max_new_tokens=12), api_name="/compare")
     list(job)
-    status, ar_answer, tf_answer, ar_md, tf_md, bars, verdict, summary = job.outputs()[-1]
+    status, ar_answer, tf_answer, ar_md, tf_md, bars, verdict, summary, timeline, costs = job.outputs()[-1]
     assert summary["greedy"] is True and summary["identical"] is True, summary
-    assert [p["token"] for p in ar_answer] == [p["token"] for p in tf_answer] and ar_answer
+    tf_tokens = [p["token"] for p in tf_answer if p["class_or_confidence"] not in REJECTED_LABELS.values()]
+    assert [p["token"] for p in ar_answer] == tf_tokens and ar_answer
+    assert "Ran on **cpu · float32**" in verdict and "cpu · float32" in tf_md and "'tl-round'" in timeline
+    cost_rows = json.loads(costs["plot"])["data"][0]["y"]
+    assert cost_rows[-1] == "autoregressive: target + full cache" and cost_rows[0].startswith("level 1")
     assert {p["class_or_confidence"] for p in ar_answer} == {PROVENANCE_LABELS["target"]}
     assert summary["speedup"] > 0 and summary["ar"]["tokens_per_s"] > 0 and summary["triforce"]["tokens_per_s"] > 0
-    assert "Token-identical" in verdict and len(json.loads(bars["plot"])["data"]) == 6
+    assert "Token-identical" in verdict and len(json.loads(bars["plot"])["data"]) == 8
 
 
 @pytest.mark.parametrize("overrides, message", [
     ({"document": "   "}, "document is empty"),
     ({"budget": 100}, "multiple of chunk_size"),
+    ({"max_new_tokens": "lots"}, "must be a whole number, got 'lots'"),
+    ({"temperature": "warm"}, "Temperature must be a number"),
+    ({"drafter": "oracle"}, "drafter must be one of auto"),
     ({"preset_name": CUSTOM}, "Could not load"),
 ])
 def test_bad_input_is_reported_and_the_next_run_works(server, short_doc: str, overrides: dict,
@@ -362,7 +564,7 @@ def test_overlong_document_is_truncated_or_refused(server) -> None:
     assert "longer than the context" in info
     with pytest.raises(AppError, match="(?i)context"):
         client.predict(**run_kwargs(long_doc, overflow="refuse"), api_name="/triforce")
-    status, *_, stats = client.predict(**run_kwargs(long_doc, max_new_tokens=1), api_name="/triforce")
+    status, *_, stats, _, _ = client.predict(**run_kwargs(long_doc, max_new_tokens=1), api_name="/triforce")
     assert stats["dropped_tokens"] > 100_000 and "dropped" in status
 
 

@@ -20,6 +20,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SAMPLE = "The Declaration of Independence (July 4, 1776)"
 OTHER_SAMPLE = "Socket Programming HOWTO (Python 3.11 documentation)"
+STRUCK_TOKENS = """() => Array.from(document.querySelectorAll('#answer .textfield span.text'))
+    .filter(s => s.textContent.includes('\\u0336')).length"""
 COLOURED_TOKENS = """() => Array.from(document.querySelectorAll('#answer .textfield span'))
     .filter(s => s.textContent.trim() && getComputedStyle(s).backgroundColor !== 'rgba(0, 0, 0, 0)').length"""
 
@@ -79,6 +81,14 @@ def test_run_heatmap_stop_and_screenshot(app_url: str) -> None:
         page.wait_for_function("() => document.querySelector('#status').innerText.includes('Finished')",
                                timeout=240_000)
         assert "kept by" in page.inner_text("#doc-view") and "tokens / s" in page.inner_text("#stats")
+        assert page.locator("#timeline .tl-round").count() >= 1
+        page.wait_for_function("() => document.querySelector('#costs').textContent.includes('level 3')")
+        struck = page.evaluate(STRUCK_TOKENS)
+        assert struck > 0, "no rejected draft shown"
+        page.locator("#show-rejected input").uncheck()
+        page.wait_for_function(f"() => ({STRUCK_TOKENS})() === 0")
+        page.locator("#show-rejected input").check()
+        page.wait_for_function(f"() => ({STRUCK_TOKENS})() === {struck}")
 
         page.fill("#document textarea", (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt")
                   .read_text(encoding="utf-8")[:1500])
@@ -104,5 +114,13 @@ def test_run_heatmap_stop_and_screenshot(app_url: str) -> None:
         page.click("#run")
         page.wait_for_function("() => document.querySelector('#status').innerText.includes('Finished')",
                                timeout=240_000)
+
+        page.get_by_role("tab", name="Compare").click()
+        page.click("#compare-run")
+        page.wait_for_function("() => document.querySelector('#verdict').innerText.includes('Token-identical')",
+                               timeout=240_000)
+        assert "Ran on cpu" in page.inner_text("#verdict") and page.locator("#compare-timeline .tl-round").count()
+        page.wait_for_function("() => document.querySelector('#compare-costs').textContent.includes('autoregressive')")
+        assert "time to first token" in page.text_content("#compare-bars")
         assert not errors, errors
         browser.close()

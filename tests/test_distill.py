@@ -1,4 +1,4 @@
-"""core.distill end to end at toy scale on the CPU: prepare -> answers -> train -> a draft the engine loads ->
+"""distill end to end at toy scale on the CPU: prepare -> answers -> train -> a draft the engine loads ->
 train --resume goes on from exactly those weights, or adds a fusion module that alone trains; answers for other
 prompts are refused."""
 
@@ -9,16 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from core import distill, distill_data
-from core.distill_data import unpack_debs  # the real one: the data fixture replaces the module's
+from distill import data as distill_data
+from distill.answers import read_answers, save_answers
+from distill.cli import main
+from distill.data import unpack_debs  # the real one: the data fixture replaces the module's
+from distill.draft import own_parameters, resumed
 from core.loading import load_draft
+from core.samples import held_out_documents
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, monkeypatch_module):
     out = tmp_path_factory.mktemp("data")
     monkeypatch_module.setattr(distill_data, "unpack_debs", lambda root: {})  # no Debian download in a unit test
-    distill.main(["prepare", "--out", str(out), "--prompts", "6", "--val-prompts", "2", "--min-doc", "40",
+    main(["prepare", "--out", str(out), "--prompts", "6", "--val-prompts", "2", "--min-doc", "40",
                   "--max-doc", "80", "--cap-per-group", "3000", "--head-size", "600", "--deb-root", str(out / "debs")])
     return out
 
@@ -30,7 +34,7 @@ def monkeypatch_module():
 
 
 def _train(data, out, *extra):
-    distill.main(["train", "--data", str(data), "--answers", str(data / "a.npz"), "--out", str(out), "--steps", "2",
+    main(["train", "--data", str(data), "--answers", str(data / "a.npz"), "--out", str(out), "--steps", "2",
                   "--windows", "4", "--seqs", "2", "--window", "48", "--int8", "--device", "cpu", *extra])
     return json.loads((out / "training.json").read_text())
 
@@ -39,7 +43,9 @@ def test_prepare_answers_train_resume(data, embedded, tmp_path):
     sources = json.loads((data / "sources.json").read_text())
     assert sources["prompts"] == 6 and sources["validation_prompts"] == 2
     assert all(f["group"] != "holdout" for f in sources["files"]) and sources["head_vocab"]["size"] == 600
-    distill.main(["answers", "--data", str(data), "--out", str(data / "a.npz"), "--answer-tokens", "5",
+    held_out = sources["holdout_documents_not_trained_on"]
+    assert held_out == held_out_documents() and not any(f["path"].endswith(tuple(held_out)) for f in sources["files"])
+    main(["answers", "--data", str(data), "--out", str(data / "a.npz"), "--answer-tokens", "5",
                   "--gen-batch", "4", "--device", "cpu"])
     answers = np.load(data / "a.npz")
     assert len(answers["index"]) == 8 and 0 < np.diff(answers["offsets"]).max() <= 5
@@ -50,9 +56,9 @@ def test_prepare_answers_train_resume(data, embedded, tmp_path):
                              torch.device("cpu"), torch.float32)
     assert len(draft.layers) == 3 and draft.layers[1] is embedded.target.layers[1] and len(draft.vocab_ids) == 600
 
-    resumed, shared, layers = distill.resumed(embedded.target, tmp_path / "d1")
-    assert (shared, layers) == (2, [2])
-    own = distill.own_parameters(resumed, shared)
+    again, shared, layers, head_ids = resumed(embedded.target, tmp_path / "d1")
+    assert (shared, layers) == (2, [2]) and torch.equal(head_ids, draft.vocab_ids)
+    own = own_parameters(again, shared)
     assert set(own) == {k for k, _ in draft.named_parameters() if k.startswith(("layers.2.", "norm."))}
     for k, v in own.items():  # training goes on from the stored (int8-rounded) weights, not from the target's
         assert torch.equal(v, dict(draft.named_parameters())[k])
@@ -64,17 +70,17 @@ def test_prepare_answers_train_resume(data, embedded, tmp_path):
 
 def test_answers_files_add_up_and_other_prompts_are_refused(data, tmp_path):
     prompts, _ = distill_data.load_prompts(data, 0)
-    distill.save_answers(tmp_path / "a.npz", prompts, [([1, 2], 0.0)] + [None] * (len(prompts) - 1))
-    distill.save_answers(tmp_path / "b.npz", prompts, [([3], 0.5), ([4, 5], 1.0)] + [None] * (len(prompts) - 2))
-    both = distill.read_answers([str(tmp_path / "a.npz"), str(tmp_path / "b.npz")], prompts)
+    save_answers(tmp_path / "a.npz", prompts, [([1, 2], 0.0)] + [None] * (len(prompts) - 1))
+    save_answers(tmp_path / "b.npz", prompts, [([3], 0.5), ([4, 5], 1.0)] + [None] * (len(prompts) - 2))
+    both = read_answers([str(tmp_path / "a.npz"), str(tmp_path / "b.npz")], prompts)
     assert both[:3] == [[([1, 2], 0.0), ([3], 0.5)], [([4, 5], 1.0)], []]
     with pytest.raises(ValueError, match="other prompts"):
-        distill.read_answers([str(tmp_path / "a.npz")], [[9, 9, 9]] + prompts[1:])
+        read_answers([str(tmp_path / "a.npz")], [[9, 9, 9]] + prompts[1:])
 
 
 def test_fusion_trains_only_its_module_and_loads(data, embedded, tmp_path):
     if not (data / "a.npz").exists():
-        distill.main(["answers", "--data", str(data), "--out", str(data / "a.npz"), "--answer-tokens", "5",
+        main(["answers", "--data", str(data), "--out", str(data / "a.npz"), "--answer-tokens", "5",
                       "--gen-batch", "4", "--device", "cpu"])
     _train(data, tmp_path / "d1", "--init", "2+2", "--trial-steps", "0")
     fused = _train(data, tmp_path / "d2", "--resume", str(tmp_path / "d1"), "--fusion", "32", "--fusion-ages", "3",

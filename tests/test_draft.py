@@ -10,6 +10,7 @@ import torch
 
 from core import GenerationConfig
 from core.config import TokenizerMismatchError
+from core.draftdir import HEAD_FILE, read_draft, write_draft
 from core.events import DraftProposal, Finished, Tokens
 from core.loading import DRAFT_DIR, load_draft
 
@@ -44,7 +45,7 @@ def test_greedy_triforce_with_the_draft_equals_ar(embedded):
     doc = DOC.read_text()[:3000]
     common = dict(greedy=True, max_new_tokens=24, budget=256, gamma1=2, gamma2=6)
     runs, provenance = {}, {}
-    for method, drafter in (("ar", None), ("triforce", "model")):
+    for method, drafter in (("ar", "auto"), ("triforce", "model")):
         cfg = GenerationConfig(method=method, drafter=drafter, **common)
         events = list(embedded.generate(doc, "Quote the first sentence of the document.", cfg))
         runs[method] = next(e for e in events if isinstance(e, Finished))
@@ -77,7 +78,7 @@ def test_int8_draft_is_dequantised_and_shares_the_target_layers(embedded):
     stored = load_file(DRAFT_DIR / "model.safetensors")
     assert not any(k.startswith(f"layers.{i}.") for k in stored for i in range(shared))
     params = dict(draft.named_parameters())
-    for k in [k for k in stored if k.endswith(".scale")]:  # int8 rows x a bf16 scale per row (core.distill --int8)
+    for k in [k for k in stored if k.endswith(".scale")]:  # int8 rows x a bf16 scale per row (distill train --int8)
         w = k.removesuffix(".scale")
         assert stored[w].dtype == torch.int8
         expected = (stored[w].float() * stored[k].float()).to(params[w].dtype)  # exact, in float32
@@ -91,6 +92,23 @@ def test_draft_file_never_overwrites_shared_target_layers(embedded, tmp_path):
     stored["layers.0.mlp.up_proj.weight"] = embedded.target.layers[0].mlp.up_proj.weight.detach().clone()
     save_file(stored, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((DRAFT_DIR / "config.json").read_text())
+    (tmp_path / HEAD_FILE).symlink_to(DRAFT_DIR / HEAD_FILE)
     with pytest.raises(ValueError, match="do not fit"):
         load_draft(str(tmp_path), embedded.target, embedded.tokenizer, "target", embedded.target.device,
                    embedded.target.dtype)
+
+
+def test_draft_directory_round_trip(tmp_path):
+    """write_draft stores matrices as int8 rows + a scale where the metadata says int8, the rest as bf16; read_draft
+    gives them back whole, with the config, the metadata (naming the head file) and the head ids."""
+    config = json.loads((DRAFT_DIR / "config.json").read_text())
+    meta = {**config.pop("triforce_draft"), "int8": True, "head_vocab": {"size": 3}}
+    state = {"norm.weight": torch.randn(8), "layers.4.mlp.up_proj.weight": torch.randn(4, 8)}
+    write_draft(tmp_path, config, meta, state, torch.tensor([0, 5, 7]))
+    back = read_draft(tmp_path)
+    assert back.meta == {**meta, "head_vocab": {"file": HEAD_FILE, "size": 3}} and back.head_ids.tolist() == [0, 5, 7]
+    assert back.config.num_hidden_layers == config["num_hidden_layers"] and set(back.state) == set(state)
+    assert torch.equal(back.state["norm.weight"], state["norm.weight"].bfloat16())
+    w = state["layers.4.mlp.up_proj.weight"]
+    assert back.state["layers.4.mlp.up_proj.weight"].dtype == torch.float32
+    assert torch.allclose(back.state["layers.4.mlp.up_proj.weight"], w, atol=w.abs().max().item() / 100)

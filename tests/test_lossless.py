@@ -45,7 +45,7 @@ def tiny_engine(target_seed: int = 0) -> tuple[Engine, list[int]]:
     target, draft = target.to(DEVICE), draft.to(DEVICE)
     target.eos_ids = set()
     prompt = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(5)).tolist()
-    return Engine(target, DigitTokenizer(), "tiny", draft, "tiny-draft", 256), prompt
+    return Engine.from_models(target, DigitTokenizer(), "tiny", draft, "tiny-draft", 256), prompt  # graphs on CUDA
 
 
 CFG = dict(method="triforce", max_new_tokens=2, budget=8, chunk_size=4, gamma1=2, gamma2=3, drafter="model",

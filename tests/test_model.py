@@ -96,3 +96,13 @@ def test_prefill_uses_flash_attn_when_installed(monkeypatch):
     got = ops.attention(q, k, v, past=7)
     assert calls == [(1, 5, 6, 16)]
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_dequantised_gguf_cache_is_keyed_by_content(tmp_path):
+    """One cached checkpoint per model: the same file in two places shares it, another file does not."""
+    from core.loading import Source, _cache_dir
+    for name, data in (("a", b"same bytes"), ("b", b"same bytes"), ("c", b"other bytes")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "m.gguf").write_bytes(data)
+    a, b, c = (_cache_dir(Source("m", str(tmp_path / n), "m.gguf")) for n in "abc")
+    assert a == b != c and a.name.startswith("m-")

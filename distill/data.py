@@ -1,5 +1,5 @@
 """Distillation data for a level-1 draft (CPU): freely licensed text available offline -> prompts in the target's chat
-template, and the token ids the draft's reduced LM head scores. `python -m core.distill prepare` runs it.
+template, and the token ids the draft's reduced LM head scores. `python -m distill prepare` runs it.
 
 Sources: the bundled documents except the held-out ones, Debian licences and copyright files, manual pages, Python
 standard-library sources, PyPI packages' README metadata, and the documentation in the Debian packages DEBS
@@ -21,11 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.samples import DOCS, held_out_documents
 from core.text import html_to_text
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "assets" / "docs"
-HOLDOUT = ["us_declaration_of_independence.txt", "python_socket_programming_howto.txt"]
 GENERAL = [
     "Summarise the document in three sentences.", "What is the main topic of this text?",
     "List the three most important points of the document.", "Explain the document in simple terms.",
@@ -99,7 +97,8 @@ def gather_texts(cap_per_group: int, deb_root: Path, seed: int) -> list[dict]:
     """Offline, freely licensed texts: [{group, path, licence, text}], each group's files in a seeded random order
     up to cap_per_group characters, the held-out documents left out and any text quoting them dropped. deb_root
     holds the Debian packages DEBS unpacked (documentation not installed on this machine)."""
-    holdout_text = [(DOCS / n).read_text() for n in HOLDOUT]
+    holdout = held_out_documents()
+    holdout_text = [(DOCS / n).read_text() for n in holdout]
     probes = [t[i:i + 60] for t in holdout_text for i in range(0, len(t) - 60, 400)]
     stdlib = Path(os.__file__).parent
     site = Path(np.__file__).parent.parent
@@ -107,7 +106,7 @@ def gather_texts(cap_per_group: int, deb_root: Path, seed: int) -> list[dict]:
     doc = deb_root / "usr/share/doc"
     man = [Path(p) for s in (1, 5, 7, 8) for p in glob.glob(f"/usr/share/man/man{s}/*.gz")]
     candidates = [
-        ("assets", [p for p in DOCS.glob("*.txt") if p.name not in HOLDOUT], _text, "see assets/docs/SOURCES.md"),
+        ("assets", [p for p in DOCS.glob("*.txt") if p.name not in holdout], _text, "see assets/docs/SOURCES.md"),
         ("common-licenses", list(Path("/usr/share/common-licenses").glob("*")), _text,
          "the licence texts themselves"),
         ("debian-copyright", [Path(p) for p in glob.glob("/usr/share/doc/*/copyright")], _text,
@@ -179,6 +178,7 @@ def _prompts_from(texts, tok, n, min_doc, max_doc, rng, instructions_for, split)
 
 
 def prepare(args) -> None:
+    """The prepare stage: prompts.npz, the head ids and sources.json in args.out."""
     from safetensors.torch import save_file
 
     from core.loading import load_tokenizer
@@ -188,8 +188,9 @@ def prepare(args) -> None:
     texts = gather_texts(args.cap_per_group, Path(args.deb_root), args.seed)
     kind = lambda t: CODE if t["path"].endswith(".py") else GENERAL
     train = _prompts_from(texts, tok, args.prompts, args.min_doc, args.max_doc, rng, kind, 0)
+    holdout = held_out_documents()
     held = [{"group": "holdout", "path": str(DOCS / n), "licence": "validation only", "text": (DOCS / n).read_text()}
-            for n in HOLDOUT]
+            for n in holdout]
     val = _prompts_from(held, tok, args.val_prompts, args.min_doc, args.max_doc, rng, lambda t: GENERAL, 1)
     prompts = train + val
     out = Path(args.out)
@@ -198,7 +199,7 @@ def prepare(args) -> None:
     offsets = np.cumsum([0] + [len(p["ids"]) for p in prompts]).astype(np.int64)
     np.savez_compressed(out / "prompts.npz", ids=flat, offsets=offsets, split=np.array([p["split"] for p in prompts]))
     used = sorted({p["path"] for p in train})
-    sources = {"holdout_documents_not_trained_on": HOLDOUT, "seed": args.seed, "debian_packages": debs,
+    sources = {"holdout_documents_not_trained_on": holdout, "seed": args.seed, "debian_packages": debs,
                "prompts": len(train), "validation_prompts": len(val), "prompt_tokens": int(offsets[-1]),
                "groups": {g: sum(1 for p in train if p["group"] == g) for g in GROUP_WEIGHTS},
                "licences": {t["group"]: t["licence"] for t in texts},
@@ -208,7 +209,7 @@ def prepare(args) -> None:
     save_file({"ids": torch.from_numpy(head)}, out / HEAD_FILE)
     sources["head_vocab"] = {"size": args.head_size, "train_token_coverage": round(covered, 4),
                              "source": "the most frequent token ids of the training prompts + the tokenizer's "
-                                       "special tokens (core.distill prepare)"}
+                                       "special tokens (distill prepare)"}
     (out / "sources.json").write_text(json.dumps(sources, indent=1))
     print(f"{len(texts)} texts, {len(train)} train + {len(val)} val prompts, {int(offsets[-1])} prompt tokens -> {out}")
 
@@ -222,6 +223,12 @@ def head_vocab(prompts: list[np.ndarray], tok, size: int) -> tuple[np.ndarray, f
     counts[tok.all_special_ids] = counts.max() + 1  # always scored (end of turn, chat markers)
     head = np.sort(np.argsort(-counts, kind="stable")[:size])
     return head, float(np.isin(train, head).mean())
+
+
+def load_head_ids(data: Path) -> torch.Tensor:
+    """The token ids prepare picked for the draft's head, from a prepared data directory."""
+    from safetensors.torch import load_file
+    return load_file(data / HEAD_FILE)["ids"]
 
 
 def load_prompts(data: Path, max_prompts: int) -> tuple[list[list[int]], np.ndarray]:

@@ -1,0 +1,5 @@
+"""`python -m distill`: the command line."""
+
+from distill.cli import main
+
+main()

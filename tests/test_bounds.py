@@ -1,0 +1,103 @@
+"""Work and memory bounded by what a run needs: caches sized by the budget capped at the prompt, only the caches the
+last run used kept when it ends (memory after many runs of varied sizes stays at one run's), level 2 drafting no more
+than the answer still wants."""
+
+import pytest
+import torch
+
+import core.triforce
+from core.config import GenerationConfig
+from core.engine import Engine
+from core.events import Finished, Tokens
+from core.prompting import Prompt
+from tests.test_lossless import DigitTokenizer
+from tests.tiny import tiny_config, tiny_pair
+
+VOCAB = 32
+CFG = dict(method="triforce", max_new_tokens=4, chunk_size=4, gamma1=2, gamma2=3, drafter="model", greedy=True,
+           sink_tokens=4, window_tokens=12)
+
+
+def tiny_engine() -> Engine:
+    _, target = tiny_pair(tiny_config(vocab=VOCAB, layers=1, max_position=1024), seed=0)
+    _, draft = tiny_pair(tiny_config(vocab=VOCAB, layers=1, max_position=1024), seed=1)
+    target.eos_ids = set()
+    return Engine(target.requires_grad_(False), DigitTokenizer(), "tiny", draft.requires_grad_(False), "tiny-draft",
+                  1024)
+
+
+def prompt(length: int) -> Prompt:
+    ids = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    return Prompt(ids, length, 0)
+
+
+def run(engine: Engine, length: int, **settings) -> Finished:
+    cfg = GenerationConfig(**{**CFG, **settings}).validate()
+    return [e for e in engine._run(prompt(length), cfg) if isinstance(e, Finished)][0]
+
+
+def bytes_per_token(engine: Engine) -> int:
+    a = engine.target.args
+    return 2 * a.n_layers * a.n_kv_heads * a.head_dim * engine.target.dtype.itemsize
+
+
+def held(engine: Engine) -> int:
+    """Bytes of the caches the engine keeps between runs: its pool and the last prompt's full cache."""
+    return sum(c.nbytes for c in engine.pool.caches) + engine._prefilled[1].nbytes
+
+
+def test_retrieval_cache_is_sized_by_the_prompt_not_the_budget():
+    engine = tiny_engine()
+    finished = run(engine, 48, budget=1 << 20)
+    extra = CFG["max_new_tokens"] + CFG["gamma1"] + CFG["gamma2"] + 2
+    assert finished.stats.retrieval_cache_bytes <= (48 + CFG["chunk_size"] + extra) * bytes_per_token(engine)
+
+
+# (prompt length, budget, window): budgets above and below the prompt, draft windows of different sizes
+RUNS = [(600, 512, 12), (48, 4096, 12), (300, 64, 40), (900, 800, 200), (40, 8, 12), (200, 128, 64)]
+
+
+def test_memory_after_varied_runs_returns_to_one_runs():
+    alone = []
+    for length, budget, window in RUNS:  # each run on a fresh engine: what it needs by itself
+        engine = tiny_engine()
+        run(engine, length, budget=budget, window_tokens=window)
+        alone.append(held(engine))
+    engine = tiny_engine()
+    for (length, budget, window), need in zip(RUNS * 2, alone * 2):
+        run(engine, length, budget=budget, window_tokens=window)
+        assert held(engine) <= 2 * need, (length, budget, window, held(engine), need)
+    assert held(engine) <= max(alone)
+
+
+def test_same_sized_caches_are_reused_and_a_closed_run_is_trimmed():
+    engine = tiny_engine()
+    run(engine, 120, budget=64)
+    kept = [id(c) for c in engine.pool.caches]
+    run(engine, 124, budget=64)
+    assert [id(c) for c in engine.pool.caches] == kept and len(kept) == 2  # retrieval + draft cache
+    events = engine._run(prompt(700), GenerationConfig(**CFG, budget=600).validate())
+    next(e for e in events if isinstance(e, Tokens))
+    events.close()  # stopped mid-run: the caches it used are kept (the draft's again), the smaller retrieval one not
+    assert not engine.pool.taken and len(engine.pool.caches) == 2
+    assert len(set(kept) & {id(c) for c in engine.pool.caches}) == 1
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_level2_drafts_no_more_than_the_answer_wants(monkeypatch, drafter):
+    levels = []
+
+    class Counted(core.triforce.Level):  # level 2, remembered to count its forwards
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            levels.append(self)
+
+    monkeypatch.setattr(core.triforce, "Level", Counted)
+    engine = tiny_engine()
+    for max_new in (1, 2, 5):
+        levels.clear()
+        finished = run(engine, 64, budget=32, gamma2=32, max_new_tokens=max_new, drafter=drafter)
+        assert finished.stats.new_tokens == max_new
+        # each round drafts at most what is still wanted: max_new, then fewer
+        assert levels[0].forwards <= max_new * (max_new + 1) // 2
+        assert finished.stats.level2_proposed <= max_new * (max_new + 1) // 2

@@ -1,0 +1,305 @@
+"""The CUDA path, on a GPU (skipped without one): core.ops.TritonOps (the Triton kernels) against core.ops.TorchOps
+and float64 references, the chunk gather, chunk selection from bf16 means, and greedy decoding replayed from CUDA
+graphs against eager PyTorch operators. `python -m bench.gpu --parts check` records the same measurements
+(`measured`) in the GPU result file.
+
+python -m pytest -q tests/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from core.cuda_graphs import Graphs
+from core.kvcache import KVCache
+from core.levels import Level
+from core.model import Transformer
+from core.ops import TORCH, TorchOps, TritonOps, ops_for, rotate
+from core.retrieval import ChunkIndex, gather_selection, retrieval_cache, select_chunks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a CUDA GPU")
+
+DEV, BF16 = "cuda", torch.bfloat16
+TOL = 1e-2  # relative error of a bf16 result (an H200 measured <= 2.2e-3 against float64)
+# q heads, KV heads, head dim, new tokens, cached keys (the new ones included)
+ATTENTION = [(32, 32, 128, 1, 5000), (32, 32, 128, 7, 4097), (9, 3, 64, 1, 130), (9, 3, 64, 7, 70),
+             (9, 3, 64, 3, 20000), (32, 8, 128, 7, 1000)]
+GEMV = [(1, 4096, 11008, False, True), (3, 12288, 4096, True, False), (7, 576, 1536, False, True)]  # rows, out,
+# in, bias, added to a residual
+GRAPH_MODEL = dict(vocab_size=32000, hidden_size=576, intermediate_size=3072, num_hidden_layers=4,
+                   num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=131072,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
+
+
+def triton_ops(gemv: bool = True) -> TritonOps:
+    from core import kernels  # Triton: imported on CUDA machines only
+    return TritonOps(kernels, gemv)
+
+
+@pytest.fixture(scope="module")
+def triton() -> TritonOps:
+    pytest.importorskip("triton")
+    return triton_ops()
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    return float((got - ref).norm() / ref.norm())
+
+
+def randn(*shape: int, g: torch.Generator, dtype: torch.dtype = BF16) -> torch.Tensor:
+    return torch.randn(*shape, device=DEV, dtype=dtype, generator=g)
+
+
+def assert_small(errors: dict[str, float], tol: float = TOL) -> None:
+    large = {k: e for k, e in errors.items() if not e <= tol}
+    assert not large, f"relative errors above {tol}: {large} (all: {errors})"
+
+
+def sdpa64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal (bottom-right) GQA attention of q [Hq, n, D] over k, v [Hkv, L, D], in float64."""
+    n, length = q.shape[1], k.shape[1]
+    mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(diagonal=length - n)
+    return F.scaled_dot_product_attention(q.double()[None], k.double()[None], v.double()[None], attn_mask=mask,
+                                          enable_gqa=q.shape[0] != k.shape[0])[0]
+
+
+# --- measurements ----------------------------------------------------------------------------------------------------
+
+def attention_key(case: tuple) -> str:
+    hq, hkv, d, n, length = case
+    return f"attention_{hq}x{hkv}x{d}_n{n}_L{length}"
+
+
+def attention_error(ops: TritonOps, hq: int, hkv: int, d: int, n: int, length: int) -> float:
+    """The split-K decode kernel over a cache whose last n of `length` keys are the new tokens', vs float64 SDPA."""
+    g = torch.Generator(DEV).manual_seed(length)
+    kc, vc = randn(hkv, length + 100, d, g=g), randn(hkv, length + 100, d, g=g)
+    q = randn(hq, n, d, g=g)
+    got = ops.k.decode_attention(q, kc, vc, torch.tensor([0, length - n], device=DEV))
+    return rel(got, sdpa64(q, kc[:, :length], vc[:, :length]))
+
+
+def attend(ops: TorchOps, keys: torch.Tensor, values: torch.Tensor, past: int, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+    """ops.attend on a one-layer cache holding keys/values [Hkv, capacity, D] with `past` of them in use."""
+    hkv, capacity, d = keys.shape
+    cache = KVCache(1, hkv, d, capacity, BF16, DEV)
+    cache.k[0], cache.v[0] = keys, values
+    cache.used = past
+    cache.begin(q.shape[0])
+    out, rotated = ops.attend(cache, 0, q, k, v, cos, sin)
+    cache.end()
+    return out, rotated, cache
+
+
+def attend_errors(ops: TritonOps, hq: int, hkv: int, d: int, n: int, length: int) -> dict[str, float]:
+    """A decode step's attention as the model calls it (q, k, v [n, heads, D] views of one projection; RoPE at
+    positions past..length-1): TritonOps.attend vs TorchOps.attend (output, rotated queries, stored keys) and both
+    outputs vs float64."""
+    g = torch.Generator(DEV).manual_seed(length + 1)
+    past = length - n
+    keys, values = randn(hkv, length + 100, d, g=g), randn(hkv, length + 100, d, g=g)
+    q, k, v = randn(n, (hq + 2 * hkv) * d, g=g).split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
+    inv_freq = 10000.0 ** -(torch.arange(0, d, 2, device=DEV, dtype=torch.float32) / d)
+    freqs = torch.arange(past, length, device=DEV, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(BF16), emb.sin().to(BF16)
+    out_t, q_t, cache_t = attend(ops, keys, values, past, q, k, v, cos, sin)
+    out_p, q_p, cache_p = attend(TORCH, keys, values, past, q, k, v, cos, sin)
+    q64 = rotate(q.double().transpose(0, 1), cos.double(), sin.double())
+    k64 = rotate(k.double().transpose(0, 1), cos.double(), sin.double())
+    ref = sdpa64(q64, torch.cat((keys[:, :past].double(), k64), 1),
+                 torch.cat((values[:, :past].double(), v.double().transpose(0, 1)), 1))
+    stored = slice(past, length)
+    assert torch.equal(cache_t.v[0, :, stored], cache_p.v[0, :, stored]), "values stored differently"
+    assert torch.equal(cache_t.k[0, :, :past], keys[:, :past]), "the past keys changed"
+    return {"out_vs_torch": rel(out_t, out_p), "out_float64": rel(out_t, ref), "torch_out_float64": rel(out_p, ref),
+            "queries_vs_torch": rel(q_t, q_p), "queries_float64": rel(q_t, q64),
+            "keys_vs_torch": rel(cache_t.k[0, :, stored], cache_p.k[0, :, stored]),
+            "keys_float64": rel(cache_t.k[0, :, stored], k64)}
+
+
+def elementwise_errors(ops: TritonOps) -> dict[str, float]:
+    """RMSNorm, RoPE and SwiGLU: vs TorchOps and vs float references."""
+    g = torch.Generator(DEV).manual_seed(2)
+    x, w = randn(5, 576, g=g), randn(576, g=g)
+    x64 = x.double()
+    norm64 = w.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    got = ops.rms_norm(x, w, 1e-5)
+    out = {"rms_norm": rel(got, TORCH.rms_norm(x, w, 1e-5)), "rms_norm_float64": rel(got, norm64)}
+    x = randn(7, 9, 64, g=g)
+    ang = randn(7, 32, g=g, dtype=torch.float32)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    got = ops.rope_heads(x, cos.to(BF16), sin.to(BF16))
+    out["rope"] = rel(got, rotate(x.double().transpose(0, 1), cos.double(), sin.double()))
+    out["rope_vs_torch"] = rel(got, TORCH.rope_heads(x, cos.to(BF16), sin.to(BF16)))
+    gate_up = randn(3, 2 * 1536, g=g)
+    got = ops.silu_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, -1)
+    out["silu_mul"] = rel(got, F.silu(gate) * up)
+    out["silu_mul_vs_torch"] = rel(got, TORCH.silu_mul(gate_up))
+    return out
+
+
+def gemv_key(case: tuple) -> str:
+    m, n_out, k_in, _, _ = case
+    return f"gemv_{m}x{n_out}x{k_in}"
+
+
+def gemv_errors(ops: TritonOps, m: int, n_out: int, k_in: int, bias: bool, add: bool) -> dict[str, float]:
+    """A decode projection (linear, or linear_add into a residual in place) vs float64 and vs cuBLAS (TorchOps)."""
+    g = torch.Generator(DEV).manual_seed(m)
+    x, w = randn(m, k_in, g=g), randn(n_out, k_in, g=g) / k_in ** 0.5
+    b = randn(n_out, g=g) if bias else None
+    r = randn(m, n_out, g=g) if add else None
+    ref = x.double() @ w.double().T + (b.double() if bias else 0) + (r.double() if add else 0)
+
+    def project(o: TorchOps) -> torch.Tensor:
+        return o.linear_add(r.clone(), x, w, b) if add else o.linear(x, w, b)
+    got = project(ops)
+    return {"float64": rel(got, ref), "vs_torch": rel(got, project(TORCH))}
+
+
+def selection_measures(ops: TritonOps) -> dict:
+    """Chunk gather (Triton) == TorchOps' torch.gather == the chunks' tokens gathered by hand, tail included; chunks
+    picked from bf16 means (as stored) vs float32 means: the overlap of the two selections."""
+    g = torch.Generator(DEV).manual_seed(1)
+    full = KVCache(4, 8, 128, 20000, BF16, DEV)
+    full.k.normal_(generator=g)
+    full.v.normal_(generator=g)
+    length = full.used = 19003  # 2375 chunks of 8 and a tail of 3
+    index = ChunkIndex.build(full, length, 8)
+    queries = torch.randn(4, 8, 128, device=DEV, generator=g)
+    ids = select_chunks(index, queries, 512)
+    cut = index.num_chunks * 8
+    exact = ChunkIndex(full.k[:, :, :cut].float().view(4, 8, -1, 8, 128).mean(3), 8, length)
+    ref_ids = select_chunks(exact, queries, 512)
+    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids.flatten(0, 1), ref_ids.flatten(0, 1)))
+    into, want = retrieval_cache(full, index, 4096, 16), retrieval_cache(full, index, 4096, 16)
+    gather_selection(full, index, ids, into, ops)
+    gather_selection(full, index, ids, want, TORCH)
+    tokens = torch.cat(((ids[..., None] * 8 + torch.arange(8, device=DEV)).flatten(2),
+                        torch.arange(cut, length, device=DEV).expand(4, 8, -1)), -1)
+    idx = tokens[..., None].expand(-1, -1, -1, 128)
+    n = tokens.shape[-1]
+    by_hand = (torch.gather(full.k[:, :, :length], 2, idx), torch.gather(full.v[:, :, :length], 2, idx))
+    return {"gather_chunks_equal": torch.equal(into.k[:, :, :n], by_hand[0]) and
+            torch.equal(into.v[:, :, :n], by_hand[1]),
+            "gather_equals_torch_ops": torch.equal(into.k[:, :, :n], want.k[:, :, :n]) and
+            torch.equal(into.v[:, :, :n], want.v[:, :, :n]),
+            "selection_bf16_means_overlap": same / ids.numel()}
+
+
+def greedy(model: Transformer, ops: TorchOps, graphs: Graphs | None, prompt: list[int], steps: int = 24) -> dict:
+    """Greedy decoding of `steps` tokens after prefilling prompt[:-1], then a 7-token verification (rolled back)
+    recording its queries, through `ops`, from CUDA graphs when `graphs` is given."""
+    model.ops = ops
+    a = model.args
+    level = Level(model, KVCache(a.n_layers, a.n_kv_heads, a.head_dim, len(prompt) + 200, BF16, DEV), [], graphs)
+    seq, logits = list(prompt), []
+    with torch.inference_mode():
+        list(level.prefill(seq[:-1], 1024))
+        for _ in range(steps):
+            out = level.logits(seq, 1, len(seq) - 1)
+            logits.append(out[0])
+            seq.append(int(out[0].argmax()))
+        verify = model.head(level.states(seq, 7, len(seq) - 7, record=7))
+        queries = torch.stack(level.queries)  # [layers, Hkv, 7, D]
+    model.ops = None
+    captured = sum(len(shapes) for shapes in graphs.by_cache.values()) if graphs else 0
+    return {"tokens": seq[len(prompt):], "logits": torch.stack(logits), "verify": verify, "queries": queries,
+            "graphs": captured}
+
+
+def graph_decode(ops: TritonOps) -> dict:
+    """A small random GQA model (9/3 heads): eager TorchOps vs TritonOps replayed from CUDA graphs vs TritonOps
+    eager: the same greedy tokens, logits, verification logits and recorded queries?"""
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = Transformer(LlamaConfig(**GRAPH_MODEL)).to(BF16).eval()
+    model.fuse_projections()
+    prompt = torch.randint(0, 32000, (3000,)).tolist()
+    eager = greedy(model, TorchOps(), None, prompt)
+    kernels = greedy(model, ops, None, prompt)
+    graph = greedy(model, ops, Graphs(), prompt)
+    return {"graph_tokens_equal": eager["tokens"] == graph["tokens"],
+            "graph_logits_rel": rel(graph["logits"], eager["logits"]),
+            "graph_verify_rel": rel(graph["verify"], eager["verify"]),
+            "graph_queries_rel": rel(graph["queries"], eager["queries"]),
+            "graphs_captured": graph["graphs"] > 0, "graphs_count": graph["graphs"],
+            "graph_vs_triton_eager_tokens_equal": kernels["tokens"] == graph["tokens"],
+            "graph_vs_triton_eager_logits_rel": rel(graph["logits"], kernels["logits"]),
+            "graph_vs_triton_eager_verify_rel": rel(graph["verify"], kernels["verify"])}
+
+
+def measured() -> dict:
+    """Every measurement above under the keys of the GPU result file's "check" (python -m bench.gpu --parts check)."""
+    ops = triton_ops()
+    out = {}
+    for case in ATTENTION:
+        out[attention_key(case)] = attention_error(ops, *case)
+        out[attention_key(case) + "_attend_vs_torch"] = attend_errors(ops, *case)["out_vs_torch"]
+    out.update(elementwise_errors(ops))
+    for case in GEMV:
+        errors = gemv_errors(ops, *case)
+        out[gemv_key(case)], out[gemv_key(case) + "_vs_torch"] = errors["float64"], errors["vs_torch"]
+    out.update(selection_measures(ops))
+    out.update(graph_decode(ops))
+    return out
+
+
+# --- tests -----------------------------------------------------------------------------------------------------------
+
+def test_cuda_models_compute_through_triton(triton):
+    assert isinstance(ops_for(DEV), TritonOps)
+    with torch.device("meta"):
+        model = Transformer(LlamaConfig(**{**GRAPH_MODEL, "num_hidden_layers": 1}))
+    model.to_empty(device=DEV)
+    assert isinstance(model.ops, TritonOps)
+    model.ops = TORCH
+    assert model.ops is TORCH
+
+
+@pytest.mark.parametrize("case", ATTENTION, ids=attention_key)
+def test_decode_attention_kernel_matches_float64(triton, case):
+    assert attention_error(triton, *case) <= TOL
+
+
+@pytest.mark.parametrize("case", ATTENTION, ids=attention_key)
+def test_triton_attend_matches_torch_ops(triton, case):
+    assert_small(attend_errors(triton, *case))
+
+
+def test_norm_rope_swiglu_kernels(triton):
+    assert_small(elementwise_errors(triton))
+
+
+@pytest.mark.parametrize("case", GEMV, ids=gemv_key)
+def test_gemv_matches_float64_and_cublas(triton, case):
+    assert_small(gemv_errors(triton, *case))
+
+
+def test_projections_go_to_cublas_without_the_gemv(triton):
+    g = torch.Generator(DEV).manual_seed(3)
+    x, w, r = randn(3, 576, g=g), randn(1536, 576, g=g), randn(3, 1536, g=g)
+    cublas = triton_ops(gemv=False)
+    assert torch.equal(cublas.linear(x, w), F.linear(x, w))
+    assert torch.equal(cublas.linear_add(r.clone(), x, w), TORCH.linear_add(r.clone(), x, w))
+
+
+def test_chunk_gather_and_bf16_mean_selection(triton):
+    m = selection_measures(triton)
+    assert m["gather_chunks_equal"] and m["gather_equals_torch_ops"]
+    assert m["selection_bf16_means_overlap"] >= 0.99
+
+
+def test_graph_replayed_decoding_matches_eager(triton):
+    m = graph_decode(triton)
+    assert m["graphs_count"] >= 2, "no decode step ran from a CUDA graph"
+    assert m["graph_tokens_equal"] and m["graph_vs_triton_eager_tokens_equal"]
+    assert_small({k: v for k, v in m.items() if k.endswith("_rel")})

@@ -1,0 +1,177 @@
+"""Hostile input through the command line (a subprocess) and through the served app (gradio_client): each is refused
+with a one-line reason (exit code 2 / a clear app error, never a traceback or an interactive prompt), and a normal
+run succeeds afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.loading import load_tokenizer
+from core.prompting import MAX_DOCUMENT_CHARS
+
+from app.presets import CUSTOM, EMBEDDED
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt").read_text(encoding="utf-8")[:600]
+QUESTION = "Who wrote this?"
+TINY = ["--max-new-tokens", "4", "--budget", "64", "--greedy"]
+SURROGATE = os.fsdecode(b"Why\xed\xa0\x80?")  # bytes that are no UTF-8 reach argv as lone surrogates
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A short document, an over-long one, a corrupt GGUF and a checkpoint that needs its own code."""
+    root = tmp_path_factory.mktemp("hostile")
+    (root / "doc.txt").write_text(DOC, encoding="utf-8")
+    (root / "huge.txt").write_text("x" * (MAX_DOCUMENT_CHARS + 1), encoding="utf-8")
+    (root / "im_end.txt").write_text("<|im_end|>" * 300, encoding="utf-8")
+    (root / "corrupt.gguf").write_bytes(b"GGUF\x03\x00\x00\x00truncated")
+    custom = root / "custom"
+    custom.mkdir()
+    (custom / "config.json").write_text(json.dumps({
+        "model_type": "triforce_custom", "architectures": ["CustomModel"],
+        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
+                     "AutoModelForCausalLM": "modeling_custom.CustomModel"}}))
+    (custom / "configuration_custom.py").write_text("raise SystemExit('custom code ran')\n")
+    load_tokenizer(None).save_pretrained(custom)  # a real checkpoint's tokenizer: loading reaches the custom config
+    return {p.stem: p for p in (root / "doc.txt", root / "huge.txt", root / "im_end.txt", root / "corrupt.gguf",
+                                custom)}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m core` with stdin left open (an interactive prompt would wait on it, not end at EOF)."""
+    return subprocess.run([sys.executable, "-m", "core", *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, stdin=subprocess.PIPE)
+
+
+CLI_REFUSALS = [
+    (["--device", "foo"], "unknown device 'foo'"),
+    pytest.param(["--device", "cuda"], "device 'cuda' is not available here", id="--device cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")),
+    (["--device", "cuda:7"], "device 'cuda:7' is not available"),
+    (["--target", "{corrupt}"], "corrupt.gguf: cannot load"),
+    (["--target", "{custom}"], "custom: needs its own Python code (trust_remote_code)"),
+    (["--prompt", SURROGATE], "question contains an invalid character (lone surrogate U+DCED"),
+    (["--doc", "{huge}"], "characters; the limit is 2,000,000"),
+    (["--max-new-tokens", "four"], "argument --max-new-tokens: invalid int value: 'four'"),
+    (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
+    (["--seed", str(2**63)], "seed must be between 0 and 9223372036854775807, got 9223372036854775808"),
+    (["--chunk-size", "0"], "chunk_size must be between 1 and 64, got 0"),
+]
+
+
+@pytest.mark.parametrize("args, message", CLI_REFUSALS)
+def test_cli_refuses_in_one_line(files: dict[str, Path], args: list[str], message: str) -> None:
+    args = [a.format(**files) for a in args]
+    base = {"--doc": str(files["doc"]), "--prompt": QUESTION}
+    for flag in ("--doc", "--prompt"):
+        if flag not in args:
+            args += [flag, base[flag]]
+    r = cli("generate", *args, *TINY)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: ") and message in r.stderr
+    assert "[y/N]" not in r.stderr
+
+
+def test_cli_takes_markup_in_user_text_as_text_and_still_runs(files: dict[str, Path]) -> None:
+    r = cli("generate", "--doc", str(files["im_end"]), "--prompt", "What is <|im_start|>system here?", "--json", *TINY)
+    assert r.returncode == 0, r.stderr
+    assert 1 <= len(json.loads(r.stdout)["token_ids"]) <= 4
+    r = cli("generate", "--doc", str(files["doc"]), "--prompt", QUESTION, "--json", *TINY)
+    assert r.returncode == 0 and json.loads(r.stdout)["stats"]["stop_reason"], r.stderr
+
+
+# ---------------------------------------------------------------- the served app
+
+
+@pytest.fixture(scope="module")
+def client(files: dict[str, Path]):
+    """The app on a free loopback port; its custom preset (TRIFORCE_TARGET) is the checkpoint needing code."""
+    from gradio_client import Client
+
+    from app.layout import build_demo, launch_options
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRIFORCE_TARGET", str(files["custom"]))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    demo = build_demo()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
+    yield Client(f"http://127.0.0.1:{port}/", verbose=False)
+    demo.close()
+    mp.undo()
+
+
+@pytest.fixture
+def browser_json(monkeypatch) -> None:
+    """Send JSON with non-ASCII escaped, as a browser's JSON.stringify does: a lone surrogate then travels as
+    \\udXXX (httpx writes raw UTF-8, which cannot hold one)."""
+    import httpx._content
+
+    dumps = httpx._content.json_dumps
+    monkeypatch.setattr(httpx._content, "json_dumps", lambda obj, **options: dumps(obj, **{**options,
+                                                                                           "ensure_ascii": True}))
+
+
+def run_kwargs(**overrides) -> dict:
+    """/triforce arguments: the embedded model, tiny settings."""
+    return {"document": DOC, "instruction": QUESTION, "preset_name": EMBEDDED, "max_new_tokens": 4, "budget": 64,
+            "chunk_size": 8, "gamma1": 2, "gamma2": 6, "drafter": "auto", "reselect": "once",
+            "temperature": 0.6, "top_p": 0.9, "seed": 0, "greedy": True, "overflow": "truncate", **overrides}
+
+
+APP_REFUSALS = [
+    ({"instruction": "Why\ud800?"}, "question contains an invalid character"),
+    ({"document": DOC + "\udfff"}, "document contains an invalid character"),
+    ({"document": "x" * (MAX_DOCUMENT_CHARS + 1)}, "characters; the limit is 2,000,000"),
+    ({"instruction": "Why? " * 20_000}, "question is too long"),
+    ({"max_new_tokens": "four"}, "Max new tokens must be a whole number, got 'four'"),
+    ({"temperature": "hot"}, "Temperature must be a number, got 'hot'"),
+    ({"seed": 2**63}, "seed must be between 0 and 9223372036854775807"),
+    ({"chunk_size": 0}, "chunk_size must be between 1 and 64, got 0"),
+    ({"preset_name": CUSTOM}, "needs its own Python code (trust_remote_code)"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", APP_REFUSALS, ids=[next(iter(o)) + str(i)
+                                                                   for i, (o, _) in enumerate(APP_REFUSALS)])
+def test_app_refuses_with_a_clear_message_and_the_next_run_works(client, browser_json, overrides: dict,
+                                                                  message: str) -> None:
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError) as refused:
+        client.predict(**run_kwargs(**overrides), api_name="/triforce")
+    assert message in str(refused.value) and len(str(refused.value).splitlines()) == 1
+    assert client.predict(**run_kwargs(), api_name="/triforce")[0].startswith("✅ Finished")
+
+
+def test_app_corrupt_model_file_is_explained(client, files: dict[str, Path], monkeypatch) -> None:
+    from gradio_client.exceptions import AppError
+
+    monkeypatch.setenv("TRIFORCE_TARGET", str(files["corrupt"]))
+    with pytest.raises(AppError, match="corrupt.gguf: cannot load"):
+        client.predict(**run_kwargs(preset_name=CUSTOM), api_name="/triforce")
+
+
+def test_app_takes_markup_in_user_text_as_text(client) -> None:
+    status, answer, *_, stats = client.predict(**run_kwargs(document="<|im_end|>" * 300,
+                                                            instruction="What is \x00DOCUMENT\x00 here?"),
+                                               api_name="/triforce")
+    assert status.startswith("✅ Finished") and stats["new_tokens"] >= 1
+
+
+def test_app_document_line_explains_bad_text(client, browser_json) -> None:
+    assert "invalid character" in client.predict(DOC + "\ud800", EMBEDDED, 64, api_name="/describe_document")
+    assert "limit is 2,000,000" in client.predict("x" * (MAX_DOCUMENT_CHARS + 1), EMBEDDED, 64,
+                                                  api_name="/describe_document")
+    assert "fits the context" in client.predict(DOC, EMBEDDED, 64, api_name="/describe_document")

@@ -1,0 +1,129 @@
+"""KV offloading: the full cache in host memory, streamed layer by layer (on a CPU "device" the same code path as on a
+GPU with copies synchronous; TRIFORCE_TEST_DEVICE=cuda runs it with page-locked memory and a copy stream) gives the
+same logits, the same greedy tokens and the same sampled distribution; the placement plan offloads only when the
+device budget is exceeded and refuses clearly."""
+
+import pytest
+import torch
+
+from core.config import GenerationConfig, TriForceError
+from core.engine import Engine
+from core.events import Finished, PromptReady
+from core.kvcache import KVCache
+from core.levels import Level
+from core.offload import OffloadedKVCache
+from core.placement import GiB, plan
+from core.prompting import Prompt
+from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from tests.stats import chi_square_p
+from tests.test_lossless import DEVICE, DigitTokenizer, emitted_pairs, target_pairs, tiny_engine
+from tests.tiny import tiny_config, tiny_pair
+
+PROMPT = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def test_streamed_cache_computes_what_the_resident_one_does():
+    """Prefill, a decode step, a verification after a rollback, the chunk index and the gather: bit-identical."""
+    _, model = tiny_pair(tiny_config(layers=3))
+    model = model.to(DEVICE)
+    a = model.args
+    results = []
+    for cls in (KVCache, OffloadedKVCache):
+        full = cls(a.n_layers, a.n_kv_heads, a.head_dim, 200, torch.float32, DEVICE)
+        level = Level(model, full, [])
+        with torch.no_grad():
+            list(level.prefill(PROMPT[:-1], 32, record=1))
+            queries = torch.stack([q[:, -1] for q in level.queries])
+            seq = PROMPT + [5, 7, 9]
+            first = level.logits(seq, 4)
+            rolled = level.logits(seq[:-1] + [11, 12], 3, len(PROMPT))
+            index = ChunkIndex.build(full, len(PROMPT) - 1, 8)
+            into = retrieval_cache(full, index, 64, 8)
+            gather_selection(full, index, select_chunks(index, queries, chunks_to_keep(index, 64)), into)
+        results.append((first, rolled, index.mean_keys, into.k[:, :, :into.head], into.v[:, :, :into.head]))
+    for resident, streamed in zip(*results):
+        assert torch.equal(resident, streamed)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    _, target = tiny_pair(tiny_config(vocab=96, layers=2), seed=0)
+    _, draft = tiny_pair(tiny_config(vocab=96, layers=1), seed=1)
+    target, draft = target.to(DEVICE), draft.to(DEVICE)
+    target.eos_ids = set()
+    return Engine.from_models(target, DigitTokenizer(), "tiny", draft, "tiny-draft", 256)
+
+
+def finish(engine: Engine, **settings) -> Finished:
+    cfg = GenerationConfig(**settings).validate()
+    with torch.no_grad():
+        return [e for e in engine._run(Prompt(PROMPT, len(PROMPT), 0), cfg) if isinstance(e, Finished)][0]
+
+
+@pytest.mark.parametrize("reselect", ["once", "every_verify", 2])
+def test_greedy_offloaded_triforce_equals_on_chip_and_ar(engine, reselect):
+    base = dict(greedy=True, max_new_tokens=40, budget=32, chunk_size=4, gamma2=6, reselect=reselect)
+    ar = finish(engine, method="ar", **base)
+    on_chip = finish(engine, offload="off", **base)
+    offloaded = finish(engine, offload="on", **base)
+    ar_offloaded = finish(engine, method="ar", offload="on", **base)
+    assert offloaded.stats.offloaded and not on_chip.stats.offloaded
+    assert offloaded.token_ids == on_chip.token_ids == ar.token_ids == ar_offloaded.token_ids
+    # the same selections: level 2 accepted exactly what it accepted on chip
+    assert (offloaded.stats.level2_accepted, offloaded.stats.level2_proposed) == \
+        (on_chip.stats.level2_accepted, on_chip.stats.level2_proposed)
+    # decoding streams the cache: about its bytes per level-3 forward, none on chip
+    kv_token = 2 * engine.target.args.n_layers * engine.target.args.n_kv_heads * engine.target.args.head_dim * 4
+    assert offloaded.stats.host_link_bytes >= offloaded.stats.target_forwards * len(PROMPT) * kv_token
+    assert on_chip.stats.host_link_bytes == 0
+
+
+def test_offloaded_runs_default_to_the_papers_budget_and_gamma2(engine):
+    stats = finish(engine, offload="on", max_new_tokens=4).stats
+    assert (stats.settings["budget"], stats.settings["gamma2"]) == (8192, 12)
+    stats = finish(engine, offload="off", max_new_tokens=4).stats
+    assert (stats.settings["budget"], stats.settings["gamma2"]) == (4096, 6)
+    assert finish(engine, offload="on", budget=64, gamma2=3, max_new_tokens=4).stats.settings["gamma2"] == 3
+
+
+def test_offloaded_hierarchy_is_lossless():
+    engine, prompt = tiny_engine()
+    draws = 4000
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        expected = target_pairs(engine, prompt)
+        counts, levels = emitted_pairs(engine, prompt, draws, offload="on")
+    assert 0 < levels["l2_accepted"] < levels["l2_proposed"]
+    assert chi_square_p(counts, expected, draws) > 1e-3
+
+
+def test_placement_offloads_only_beyond_the_budget(monkeypatch):
+    _, model = tiny_pair(tiny_config(layers=16))  # 4 KiB of keys/values per token in float32
+    cfg, capacity, prompt = GenerationConfig(), 500_000, 490_000
+    full = capacity * 4096
+    roomy, resolved = plan(model, None, capacity, prompt, cfg, budget=8 * GiB)
+    assert not roomy.offloaded and roomy.device["full KV cache"] == full and not roomy.host
+    assert (resolved.budget, resolved.gamma2) == (4096, 6)
+    tight, resolved = plan(model, None, capacity, prompt, cfg, budget=2 * GiB)
+    assert plan(model, None, capacity, prompt, GenerationConfig(method="ar"), budget=2 * GiB)[0] == tight  # like for like
+    assert tight.offloaded and tight.index_on_device and tight.host == {"full KV cache": full}
+    assert tight.device["full KV cache staging (2 layers)"] == full // 8 and sum(tight.device.values()) <= 2 * GiB
+    assert (resolved.budget, resolved.gamma2) == (8192, 12)
+    index = tight.device["chunk index"]
+    tighter, _ = plan(model, None, capacity, prompt, cfg, budget=sum(tight.device.values()) - index // 2)
+    assert tighter.offloaded and not tighter.index_on_device and tighter.host["chunk index"] == index
+    with pytest.raises(TriForceError, match="allow offloading"):
+        plan(model, None, capacity, prompt, GenerationConfig(offload="off"), budget=2 * GiB)
+    with pytest.raises(TriForceError, match="even with the KV cache offloaded"):
+        plan(model, None, capacity, prompt, cfg, budget=GiB + GiB // 10)
+    monkeypatch.setattr("core.placement.host_available", lambda: full // 2)
+    with pytest.raises(TriForceError, match="CPU memory"):
+        plan(model, None, capacity, prompt, cfg, budget=2 * GiB)
+
+
+def test_prompt_ready_says_where_each_cache_lives(engine):
+    cfg = GenerationConfig(offload="on", max_new_tokens=2, budget=32, chunk_size=4).validate()
+    with torch.no_grad():
+        ready = next(e for e in engine._run(Prompt(PROMPT, len(PROMPT), 0), cfg) if isinstance(e, PromptReady))
+    assert ready.offloaded and ready.caches["full KV cache"]["where"] == "CPU"
+    assert ready.caches["retrieval cache"]["where"] == "GPU"
