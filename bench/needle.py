@@ -51,6 +51,7 @@ def main() -> None:
             print(f"{setting:<14} {kind:<10} level-2 acceptance {s.level2_acceptance:.2f} ({s.level2_accepted}/"
                   f"{s.level2_proposed})  passkey {'found' if found else 'missed'}: {fin.text!r}", flush=True)
     path = save("needle", {**environment(), "model": engine.info, "budget": args.budget, "drafter": args.drafter,
+                           "repetition_penalty": GenerationConfig.repetition_penalty,
                            "question": QUESTION, "passkey": PASSKEY, "rows": rows})
     print(f"saved {path}")
 
