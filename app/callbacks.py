@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -16,7 +18,7 @@ from app.documents import DocumentError, load_samples, read_document
 from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap
 from app.explainer import engine_table
 from app.inference import ModelLoadError, counting_engine, load_engine, loaded_infos, preset_engine, stream_events
-from app.presets import Preset, panel_overrides, preset_by_name
+from app.presets import PRESET_SETTINGS, Preset, panel_overrides, preset_by_name
 from app.settings import build_config, parse, widget_args
 from app.state import RunState, apply_event, live_stats
 from app.views import answer_pieces, document_view, stats_for, stats_markdown, status_markdown, timeline_html
@@ -65,11 +67,14 @@ def pick_instruction(sample: list[str] | str) -> str:
     return sample[0] if isinstance(sample, list) else sample
 
 
-def preset_budget(preset_name: str) -> dict:
-    """The budget widget for the chosen preset: its budget (blank: the engine's default), marked as its choice."""
+def preset_settings(preset_name: str) -> list[dict]:
+    """The widgets of PRESET_SETTINGS for the chosen preset: its choices, marked as such, the others' defaults."""
     values, notes = panel_overrides(preset_by_name(preset_name))
-    _, args = widget_args("budget", values["budget"], notes["budget"])
-    return gr.update(value=args["value"], info=args["info"])
+    updates = []
+    for name in PRESET_SETTINGS:
+        _, args = widget_args(name, values.get(name, dataclasses.MISSING), notes.get(name, ""))
+        updates.append(gr.update(value=args["value"], info=args["info"]))
+    return updates
 
 
 def describe_document(document: str, preset_name: str, budget: str | float | None, instruction: str = "",

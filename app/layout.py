@@ -13,7 +13,7 @@ from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, SUPPORTED_SUFFIXES, load_samples
 from app.explainer import EXPLANATION
 from app.figures import HEATMAP_MODES, cost_figure, empty_figure
-from app.presets import all_presets, default_preset, panel_overrides
+from app.presets import PRESET_SETTINGS, all_presets, default_preset, panel_overrides
 from app.settings import build_panel
 from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
 
@@ -151,7 +151,8 @@ def build_demo() -> gr.Blocks:
                                                                 panel["max_new_tokens"]], outputs=doc_info, show_progress="hidden", trigger_mode="always_last", concurrency_limit=None)
         document.change(api_name="describe_document", **describe)
         panel["budget"].change(api_visibility="private", **describe)
-        preset_name.input(callbacks.preset_budget, preset_name, panel["budget"], api_visibility="private")
+        preset_name.input(callbacks.preset_settings, preset_name, [panel[name] for name in PRESET_SETTINGS],
+                          api_visibility="private")
         demo.load(api_visibility="private", **describe)
 
         outputs = {"status": status, "answer": answer, "heatmap": heatmap, "doc_view": doc_view, "stats": stats,

@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 EMBEDDED = "SmolLM2-135M-Instruct (embedded, CPU/offline)"
 CUSTOM = "Custom (TRIFORCE_TARGET / TRIFORCE_DRAFT)"
 
 
+PRESET_SETTINGS = ("budget", "repetition_penalty")  # the settings a preset may choose; the rest keep their defaults
+
+
 @dataclass(frozen=True)
 class Preset:
-    """A target model, an optional draft model, and the retrieval budget that suits them when it is not the
-    engine's default."""
+    """A target model, an optional draft model, and the settings that suit them where they differ from the
+    engine's defaults (by name, among PRESET_SETTINGS)."""
 
     name: str
     target: str | None  # None: the engine's embedded default
     draft: str | None
-    budget: int | None = None  # None: the engine's default (4096, or 8192 with the full cache offloaded)
+    settings: tuple[tuple[str, Any], ...] = ()
 
 
 PRESETS: tuple[Preset, ...] = (
-    Preset(EMBEDDED, None, None, 512),
+    # A 135M model loops without a penalty ("the King of the King of ..."); budget 512 of its 8K context.
+    Preset(EMBEDDED, None, None, (("budget", 512), ("repetition_penalty", 1.2))),
     Preset("Paper: Yarn-Llama-2-7b-128k + llama-68m", "NousResearch/Yarn-Llama-2-7b-128k", "JackFram/llama-68m"),
     Preset("LWM-Text-Chat-128K + llama-68m", "LargeWorldModel/LWM-Text-Chat-128K", "JackFram/llama-68m"),
     Preset("Llama-3.1-8B-Instruct + Llama-3.2-1B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",
@@ -62,6 +67,7 @@ def preset_by_name(name: str, environ: dict[str, str] | None = None) -> Preset:
     raise ValueError(f"Unknown model preset {name!r}; choose one from the list.")
 
 
-def panel_overrides(preset: Preset) -> tuple[dict[str, int | None], dict[str, str]]:
+def panel_overrides(preset: Preset) -> tuple[dict[str, Any], dict[str, str]]:
     """The settings a preset chooses (values by name) and the notes in their help that say so."""
-    return {"budget": preset.budget}, {"budget": f"{preset.budget} is this preset's choice" if preset.budget else ""}
+    chosen = dict(preset.settings)
+    return chosen, {name: f"{value} is this preset's choice" for name, value in chosen.items()}

@@ -109,6 +109,11 @@ class GenerationConfig:
                                  step=0.05)
     top_p: float = setting(0.9, "nucleus sampling mass", label="Top-p", low=0.01, high=1.0, step=0.01)
     top_k: int = setting(0, "sample among the k most likely tokens (0: all)", label="Top-k", low=0, high=1 << 20)
+    repetition_penalty: float = setting(1.0, "CTRL's repetition penalty on the target: the logits of every token "
+                                        "already in the answer divided by this (negative ones multiplied; 1: off)",
+                                        label="Repetition penalty", low=1.0, high=3.0, step=0.05)
+    no_repeat_ngram_size: int = setting(0, "the target never repeats an n-gram of this many tokens within the answer "
+                                        "(0: off)", label="No repeated n-gram in the answer (tokens)", low=0, high=64)
     greedy: bool = setting(False, "greedy decoding (token-identical to autoregressive)",
                            label="Greedy (token-identical to autoregressive)")
     seed: int = setting(0, "random seed (0 to 2^63 - 1)", label="Seed", low=0, high=SEED_LIMIT - 1)

@@ -13,6 +13,7 @@ from core.kvcache import CachePool, StreamingCache
 from core.levels import Level
 from core.model import Transformer
 from core.parallel import agree
+from core.repetition import Repetition
 from core.sampling import distributions, sample
 
 
@@ -134,6 +135,7 @@ class ModelDrafter:
             cache.reset()
         self.level = Level(model, cache, [], graphs)
         self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator
+        self.repetition = Repetition(cfg, vocab_size, model.device, len(prompt))  # q nearer the target's penalised p
         self.lookup = NgramDrafter(max(cfg.ngram_max, cfg.lookup_min)) if cfg.lookup_min else None
         body = prompt[:-1]
         sink, window = cfg.sink_tokens, cfg.window_tokens
@@ -165,7 +167,8 @@ class ModelDrafter:
             h = self.level.states(seq, 1, trusted, extra + tokens)
             # the feature produced the token before `tokens`: it lies len(tokens) + 1 positions back
             logits = model.head(model.fusion(h, feature, len(tokens) + 1) if fuse else h)
-            q = distributions(logits if ids is not None else self._align(logits), self.cfg)[0]
+            q = distributions(self.repetition(logits if ids is not None else self._align(logits), seq,
+                                              extra + tokens, ids), self.cfg)[0]
             if self.cfg.draft_confidence and agree(self._confidence(logits, q) < self.cfg.draft_confidence)[0]:
                 break  # stopping depends on the draft alone, so verification stays exact (rank 0's call: one path)
             x = sample(q, self.generator)

@@ -16,6 +16,7 @@ from core.events import Acceptance, DraftProposal, Event, Provenance, StepTiming
 from core.kvcache import CachePool
 from core.levels import Level
 from core.output import Output
+from core.repetition import Repetition
 from core.retrieval import Retrieval
 from core.sampling import distributions, residual_distribution, speculative_verify
 
@@ -45,6 +46,7 @@ class TriForce:
         model = target.model
         self.retrieval = Retrieval(target.cache, cfg, model.ops, pool, index_device)
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs)
+        self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
         self.counts = Acceptance()
 
     def run(self) -> Iterator[Event]:
@@ -61,7 +63,7 @@ class TriForce:
             reselect = retrieval.policy.due(round_)
             n = len(draft.tokens)
             h3 = target.states(seq, n + 1, committed, draft.tokens, record=n + 1 if reselect else 0)
-            p3 = distributions(target.model.head(h3), cfg)
+            p3 = distributions(self.repetition(target.model.head(h3), seq, draft.tokens), cfg)
             accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q), p3, self.generator)
             feature = h3[accepted]
             level3_s = time.perf_counter() - t0
@@ -96,7 +98,7 @@ class TriForce:
                                                          draft.tokens, feature)
             t1 = time.perf_counter()
             h2 = level2.states(seq, len(proposals) + 1, committed, draft.tokens + proposals)
-            p2 = distributions(level2.model.head(h2), cfg)
+            p2 = distributions(self.repetition(level2.model.head(h2), seq, draft.tokens + proposals), cfg)
             # The residual is explicit here: the reference code samples from p2 instead, which biases level 3's q.
             accepted, token = speculative_verify(proposals, q1, p2, self.generator, residual=residual_distribution)
             draft.level1_s += t1 - t0

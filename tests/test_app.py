@@ -198,11 +198,13 @@ def test_settings_panel_is_built_from_the_declarations() -> None:
     assert panel["max_new_tokens"].value == GenerationConfig.max_new_tokens
 
 
-def test_preset_budget_is_the_presets_choice() -> None:
-    update = callbacks.preset_budget(EMBEDDED)
-    assert update["value"] == "512" and "preset's choice" in update["info"]
-    paper = callbacks.preset_budget(PRESETS[1].name)
-    assert paper["value"] == "" and "preset" not in paper["info"]
+def test_preset_settings_are_the_presets_choice() -> None:
+    budget, penalty = callbacks.preset_settings(EMBEDDED)
+    assert budget["value"] == "512" and "preset's choice" in budget["info"]
+    assert penalty["value"] == 1.2 and "preset's choice" in penalty["info"]
+    budget, penalty = callbacks.preset_settings(PRESETS[1].name)  # the others go back to the engine's defaults
+    assert budget["value"] == "" and "preset" not in budget["info"]
+    assert penalty["value"] == GenerationConfig.repetition_penalty == 1.0 and "preset" not in penalty["info"]
 
 
 # ---------------------------------------------------------------- reducer, views, figures

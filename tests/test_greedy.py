@@ -1,11 +1,14 @@
 """Greedy TriForce is token-identical to our autoregressive decoding and to transformers' generate, on real
-documents of different kinds and lengths (up to the embedded model's 8K context), for every drafter."""
+documents of different kinds and lengths (up to the embedded model's 8K context), for every drafter, and with
+repetition control on."""
 
 import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from core import GenerationConfig
 from core.events import Finished, PromptReady
@@ -39,15 +42,42 @@ def run(engine, doc: str, instruction: str, **settings) -> tuple[Finished, Promp
     return events[-1], next(e for e in events if isinstance(e, PromptReady))
 
 
+class OnAnswer(LogitsProcessor):
+    """A transformers processor applied to the tokens after the prompt only."""
+
+    def __init__(self, processor: LogitsProcessor, prompt_length: int):
+        self.processor, self.prompt_length = processor, prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.processor(input_ids[:, self.prompt_length:], scores)
+
+
+def hf_processors(prompt_length: int, repetition_penalty: float, no_repeat_ngram_size: int) -> LogitsProcessorList:
+    """transformers' processors for our repetition settings (over the answer, after the prompt)."""
+    processors = LogitsProcessorList()
+    if repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty, prompt_ignore_length=prompt_length))
+    if no_repeat_ngram_size:
+        processors.append(OnAnswer(NoRepeatNGramLogitsProcessor(no_repeat_ngram_size), prompt_length))
+    return processors
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], new: int, cfg: GenerationConfig) -> list[int]:
+    """transformers' greedy answer under cfg's repetition settings."""
+    processors = hf_processors(len(prompt_ids), cfg.repetition_penalty, cfg.no_repeat_ngram_size)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=new, do_sample=False,
+                                logits_processor=processors)
+    return out[0, len(prompt_ids):].tolist()
+
+
 @pytest.mark.parametrize("name,instruction,new", CASES)
 def test_greedy_triforce_equals_ar_and_transformers(engine, hf_model, name, instruction, new):
     doc = (DOCS / name).read_text()
     common = dict(max_new_tokens=new, budget=512, chunk_size=8, gamma1=3, gamma2=5)
     ar, ready = run(engine, doc, instruction, method="ar", **common)
     assert ready.prompt_tokens > 2000 and len(ar.token_ids) >= 8
-    with torch.no_grad():
-        hf = hf_model.generate(torch.tensor([ar.prompt_ids]), max_new_tokens=new, do_sample=False)
-    hf_ids = hf[0, len(ar.prompt_ids):].tolist()
+    hf_ids = hf_greedy(hf_model, ar.prompt_ids, new, GenerationConfig())  # the default repetition settings
     assert hf_ids[:len(ar.token_ids)] == ar.token_ids
     assert set(hf_ids[len(ar.token_ids):]) <= engine.target.eos_ids
     for drafter, reselect in (("model", "once"), ("ngram", "every_verify"), ("none", 2)):
@@ -55,3 +85,18 @@ def test_greedy_triforce_equals_ar_and_transformers(engine, hf_model, name, inst
         assert tf.token_ids == ar.token_ids, f"drafter {drafter} diverged from AR"
         assert tf.prompt_ids == ar.prompt_ids
         assert tf.stats.target_forwards < len(tf.token_ids)  # several tokens per full-cache forward
+
+
+@pytest.mark.parametrize("control", [{"repetition_penalty": 1.0, "no_repeat_ngram_size": 0},
+                                     {"repetition_penalty": 1.0, "no_repeat_ngram_size": 3},
+                                     {"repetition_penalty": 1.3, "no_repeat_ngram_size": 4}])
+def test_greedy_with_repetition_control_equals_ar_and_transformers(engine, hf_model, control):
+    """Off, no repeated 3-gram (the plain answer says "the King of" twice in 32 tokens, and loops on it later), and
+    both rules: every level verifies against the same processed target."""
+    name, instruction, new = CASES[0]
+    doc = (DOCS / name).read_text()
+    common = dict(max_new_tokens=new, budget=512, chunk_size=8, gamma1=3, gamma2=5, **control)
+    ar, _ = run(engine, doc, instruction, method="ar", **common)
+    assert hf_greedy(hf_model, ar.prompt_ids, new, GenerationConfig(**control))[:len(ar.token_ids)] == ar.token_ids
+    tf, _ = run(engine, doc, instruction, method="triforce", drafter="model", **common)
+    assert tf.token_ids == ar.token_ids

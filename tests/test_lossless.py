@@ -5,9 +5,11 @@ code's bias)."""
 import os
 import time
 from collections import Counter
+from typing import Sequence
 
 import pytest
 import torch
+from transformers.generation.logits_process import LogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 import core.drafters
 import core.triforce
@@ -17,6 +19,7 @@ from core.events import Finished
 from core.kvcache import KVCache
 from core.model import Fusion
 from core.prompting import Prompt
+from core.repetition import Repetition
 from core.sampling import distributions
 from tests.stats import chi_square_p
 from tests.tiny import tiny_config, tiny_pair
@@ -35,8 +38,9 @@ class DigitTokenizer:
         return "".join(str(i) for i in ids)
 
 
-def tiny_engine() -> tuple[Engine, list[int]]:
-    _, target = tiny_pair(tiny_config(vocab=VOCAB, layers=1), seed=0, scale=4.0)
+def tiny_engine(target_seed: int = 0) -> tuple[Engine, list[int]]:
+    """Tiny target and draft models with a 48-token prompt."""
+    _, target = tiny_pair(tiny_config(vocab=VOCAB, layers=1), seed=target_seed, scale=4.0)
     _, draft = tiny_pair(tiny_config(vocab=VOCAB, layers=1), seed=1, scale=4.0)
     target, draft = target.to(DEVICE), draft.to(DEVICE)
     target.eos_ids = set()
@@ -45,7 +49,8 @@ def tiny_engine() -> tuple[Engine, list[int]]:
 
 
 CFG = dict(method="triforce", max_new_tokens=2, budget=8, chunk_size=4, gamma1=2, gamma2=3, drafter="model",
-           temperature=1.0, top_p=1.0, sink_tokens=4, window_tokens=12, reselect="every_verify")
+           temperature=1.0, top_p=1.0, sink_tokens=4, window_tokens=12, reselect="every_verify",
+           repetition_penalty=1.0)  # the target's own distribution (one test turns the penalty on)
 
 
 def emitted_pairs(engine: Engine, prompt: list[int], draws: int, **extra) -> tuple[Counter, dict]:
@@ -62,15 +67,19 @@ def emitted_pairs(engine: Engine, prompt: list[int], draws: int, **extra) -> tup
     return counts, levels
 
 
-def target_pairs(engine: Engine, prompt: list[int]) -> dict:
-    """Exact probability of each first two tokens under the target with the full context."""
+def target_pairs(engine: Engine, prompt: list[int], processors: Sequence[LogitsProcessor] = ()) -> dict:
+    """Exact probability of each first two tokens under the target with the full context, its logits put through
+    transformers' `processors` first."""
     cfg = GenerationConfig(**CFG)
     m = engine.target
 
     def dist(seq):
         a = m.args
         cache = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, len(seq), torch.float32, m.device)
-        return distributions(m(torch.tensor(seq, device=m.device), cache, 1), cfg)[0]
+        logits = m(torch.tensor(seq, device=m.device), cache, 1)
+        for processor in processors:
+            logits = processor(torch.tensor([seq], device=m.device), logits)
+        return distributions(logits, cfg)[0]
 
     first = dist(prompt)
     return {(a, b): float(first[a]) * float(pb) for a in range(VOCAB) for b, pb in enumerate(dist(prompt + [a]))}
@@ -207,3 +216,33 @@ def test_fused_drafting_gets_the_target_state_and_is_lossless(monkeypatch, one_t
     assert 0 < levels["l1_accepted"] < levels["l1_proposed"]
     p_ok = chi_square_p(counts, expected, GATED_DRAWS)
     assert p_ok > 1e-3, f"fused sampler rejected (p={p_ok:.2e})"
+
+
+def test_repetition_penalty_is_lossless_and_row_histories_matter(monkeypatch, one_thread):
+    """With a repetition penalty every level verifies against the penalised target: the hierarchy emits the target's
+    distribution as transformers' processor penalises it (the answer's tokens); the same test fails when each row of
+    a verification is penalised with the first row's history (not seeing the draft tokens before it)."""
+    engine, prompt = tiny_engine(target_seed=33)  # a target that repeats its first token half the time
+    penalty = 1.5
+    processor = RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=len(prompt))
+    with torch.no_grad():
+        plain = target_pairs(engine, prompt)
+        expected = target_pairs(engine, prompt, [processor])
+        assert sum(abs(expected[k] - plain[k]) for k in plain) / 2 > 0.2  # the penalty really changes the target
+        counts, levels = emitted_pairs(engine, prompt, GATED_DRAWS, repetition_penalty=penalty)
+    assert 0 < levels["l1_accepted"] < levels["l1_proposed"]
+    assert 0 < levels["l2_accepted"] < levels["l2_proposed"]
+    p_ok = chi_square_p(counts, expected, GATED_DRAWS)
+    assert p_ok > 1e-3, f"penalised sampler rejected (p={p_ok:.2e})"
+
+    original = Repetition.__call__
+
+    def first_row_history(self, logits, seq, extra=(), columns=None):
+        common = list(extra)[:len(extra) - logits.shape[0] + 1]
+        return torch.cat([original(self, row[None], seq, common, columns) for row in logits])
+
+    monkeypatch.setattr(Repetition, "__call__", first_row_history)
+    with torch.no_grad():
+        biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS, repetition_penalty=penalty)
+    p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
+    assert p_biased < 1e-6, f"row-history bias not detected (p={p_biased:.2e})"

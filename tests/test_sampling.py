@@ -76,3 +76,36 @@ def test_sample_draws_from_probs_and_never_a_zero():
     counts = Counter(sample(probs, g) for _ in range(draws))
     assert counts[1] == counts[3] == 0
     assert chi_square_p(counts, {i: float(p) for i, p in enumerate(probs) if p > 0}, draws) > 1e-3
+
+
+def test_repetition_matches_transformers_row_by_row():
+    """Each row of a verification forward is processed as transformers processes that row's own history (the seq
+    plus the draft tokens before it; the answer after the first `start` tokens), and a reduced head gets the columns
+    of its token ids."""
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    from core.repetition import Repetition
+
+    g = torch.Generator().manual_seed(0)
+    vocab, start = 30, 10
+    seq = torch.randint(0, vocab, (40,), generator=g).tolist()
+    draft = seq[20:23] + [min(set(range(vocab)) - set(seq))]  # a 3-gram of the answer, then a new token
+    logits = torch.randn(len(draft) + 1, vocab, generator=g) * 3
+    for penalty, ngram in ((1.3, 0), (1.0, 3), (1.7, 2), (1.2, 1)):
+        cfg = GenerationConfig(repetition_penalty=penalty, no_repeat_ngram_size=ngram)
+        repetition = Repetition(cfg, vocab, torch.device("cpu"), start)
+        repetition(logits[:1], seq[:30])  # an earlier call on a shorter seq: the committed part grows
+        got = repetition(logits, seq, draft)
+        for i in range(len(draft) + 1):
+            history = torch.tensor([seq + draft[:i]])
+            want = logits[i:i + 1].clone()
+            if penalty != 1.0:
+                want = RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=start)(history, want)
+            if ngram:
+                want = NoRepeatNGramLogitsProcessor(ngram)(history[:, start:], want)
+            torch.testing.assert_close(got[i:i + 1], want, rtol=0, atol=0)
+        assert not torch.equal(got, logits)
+        columns = torch.tensor([3, 0, 7, 11])
+        torch.testing.assert_close(repetition(logits[:, columns], seq, draft, columns), got[:, columns])
+    off = Repetition(GenerationConfig(repetition_penalty=1.0), vocab, torch.device("cpu"), start)
+    assert off(logits, seq, draft) is logits
