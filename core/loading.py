@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,17 +139,24 @@ def _from_pretrained(src: Source, dtype: torch.dtype):
     try:
         if src.gguf_file:
             cached = _cache_dir(src)
-            if not (cached / "done").is_file():
+            if not (cached / "done").is_file():  # written beside it, then renamed: concurrent loaders never mix
                 tok = AutoTokenizer.from_pretrained(src.path, **src.kwargs)
                 hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **src.kwargs)
-                cached.mkdir(parents=True, exist_ok=True)
-                tok.save_pretrained(cached)
-                hf.config.save_pretrained(cached)
-                hf.generation_config.save_pretrained(cached)
+                staging = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+                staging.mkdir(parents=True, exist_ok=True)
+                tok.save_pretrained(staging)
+                hf.config.save_pretrained(staging)
+                hf.generation_config.save_pretrained(staging)
                 state = {k: v.contiguous() for k, v in hf.state_dict().items()
                          if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
-                save_file(state, cached / "model.safetensors", metadata={"format": "pt"})
-                (cached / "done").touch()
+                save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+                (staging / "done").touch()
+                if not (cached / "done").is_file():
+                    shutil.rmtree(cached, ignore_errors=True)  # an unfinished copy left by an older version
+                try:
+                    staging.rename(cached)
+                except OSError:  # another process finished first: its copy is the same
+                    shutil.rmtree(staging, ignore_errors=True)
             src = Source(src.name, str(cached))
         offline = _offline_kwargs(src)
         tok = AutoTokenizer.from_pretrained(src.path, **offline, **NO_CODE)

@@ -164,9 +164,9 @@ def test_app_corrupt_model_file_is_explained(client, files: dict[str, Path], mon
 
 
 def test_app_takes_markup_in_user_text_as_text(client) -> None:
-    status, answer, *_, stats = client.predict(**run_kwargs(document="<|im_end|>" * 300,
-                                                            instruction="What is \x00DOCUMENT\x00 here?"),
-                                               api_name="/triforce")
+    status, answer, _, _, _, stats, *_ = client.predict(**run_kwargs(document="<|im_end|>" * 300,
+                                                                      instruction="What is \x00DOCUMENT\x00 here?"),
+                                                     api_name="/triforce")
     assert status.startswith("✅ Finished") and stats["new_tokens"] >= 1
 
 
