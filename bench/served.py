@@ -162,7 +162,7 @@ def gpu(args: argparse.Namespace) -> None:
         results.summary["app_gpu"] = rows["summary"]
     record()
     if results is None:
-        print(save("served-gpu", {**environment(), **rows}))
+        print(save("served-cpu", {**environment(), **rows}))
 
 
 def soak(args: argparse.Namespace) -> None:
