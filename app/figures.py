@@ -28,9 +28,15 @@ def _template() -> dict:
     return pio.templates["plotly_white"].to_plotly_json()
 
 
-@functools.cache
 def _grid(titles: tuple[str, ...], shared_yaxes: bool = False, spacing: float | None = None) -> dict:
-    """The layout of a one-row subplot grid with these titles (axes domains, title annotations), made once."""
+    """The layout of a one-row subplot grid with these titles (axes domains, title annotations): a copy the caller
+    may change, of one made once per shape."""
+    return copy.deepcopy(_grid_once(titles, shared_yaxes, spacing))
+
+
+@functools.cache
+def _grid_once(titles: tuple[str, ...], shared_yaxes: bool, spacing: float | None) -> dict:
+    """make_subplots' layout of a one-row grid, without its template (never changed: _grid hands out copies)."""
     layout = make_subplots(rows=1, cols=len(titles), subplot_titles=titles, shared_yaxes=shared_yaxes,
                            horizontal_spacing=spacing).layout.to_plotly_json()
     layout.pop("template", None)
@@ -140,7 +146,7 @@ def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
                          "showlegend": col == 1, "text": [text], "textposition": "auto", **_axes(col)})
     device = " · ".join(v for v in ((tf or {}).get("device"), (tf or {}).get("dtype")) if v)
     return _figure(data, "Autoregressive vs TriForce (same input and seed" + (f", on {device})" if device else ")"),
-                   320, copy.deepcopy(_grid(tuple(m[0] for m in metrics))))
+                   320, _grid(tuple(m[0] for m in metrics)))
 
 
 LEVEL_COLORS = {"level1": "#22c55e", "level2": "#f59e0b", "level3": "#ef4444", "selection": "#a78bfa",
@@ -152,7 +158,7 @@ def cost_figure(rows: Sequence[dict], tokens_per_forward: float | None, referenc
     share of the decode time; `reference` rows (autoregressive) join the first two panels."""
     if not rows:
         return empty_figure("The cost of each level appears when the run has finished.", height=160)
-    layout = copy.deepcopy(_grid(("ms / step", "MiB read / step", "% of decode time"), True, 0.07))
+    layout = _grid(("ms / step", "MiB read / step", "% of decode time"), True, 0.07)
     data = []
     every = [*rows, *reference]
     labels = [row["level"] for row in every]

@@ -24,7 +24,7 @@ from app.presets import Preset
 _RUN_LOCK = threading.Lock()  # one generation at a time, even while a cancelled run's last step finishes
 _DONE = object()  # the end of a generation's event queue
 HANDOVER_S = 0.02  # events go to the app in batches at most this far apart (a handover per event costs GIL switches)
-PROMPT_KINDS = ("Loading", "PrefillProgress", "PromptReady", "Finished")  # handed over at once
+URGENT_KINDS = ("Loading", "PrefillProgress", "PromptReady", "Finished")  # handed over at once
 _loaded: dict[tuple[str | None, str | None], dict] = {}
 
 
@@ -95,7 +95,7 @@ def stream_events(preset: Preset, document: str, instruction: str, config: Gener
                     if stop.is_set():
                         break
                     batch.append(event)
-                    if event["kind"] in PROMPT_KINDS or time.monotonic() - handed >= HANDOVER_S:
+                    if event["kind"] in URGENT_KINDS or time.monotonic() - handed >= HANDOVER_S:
                         events.put(batch)
                         batch, handed = [], time.monotonic()
             except Exception as err:  # handed to the consumer, which raises it where the UI can report it

@@ -6,8 +6,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import gradio as gr
-import plotly.graph_objects as go
-from gradio.components.plot import PlotData
 
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, SUPPORTED_SUFFIXES, load_samples
@@ -49,12 +47,12 @@ def by_name(fn: Callable[[Mapping[str, Any], gr.Progress], Iterator[dict[str, An
             outputs: dict[str, gr.Component]) -> Callable[..., Iterator[list[Any]]]:
     """A Gradio handler for `fn`: the event's `inputs_kwargs` arrive as one dict by name, and each frame `fn` yields
     by output name goes out as the list of all outputs, those it leaves out with the value last sent (Gradio
-    rebuilds a component for every output it is told to skip, which costs more than a frame; a figure is turned into
-    its JSON once, so sending it again is free)."""
+    rebuilds a component for every output it is told to skip, which costs more than a frame; a plot is postprocessed
+    by its component once, so sending it again is free)."""
     def handler(progress: gr.Progress = gr.Progress(), **values: Any) -> Iterator[list[Any]]:
         sent: dict[str, Any] = {}
         for frame in fn(values, progress):
-            sent |= {name: PlotData(type="plotly", plot=value.to_json()) if isinstance(value, go.Figure) else value
+            sent |= {name: outputs[name].postprocess(value) if isinstance(outputs[name], gr.Plot) else value
                      for name, value in frame.items()}
             yield [sent.get(name, gr.skip()) for name in outputs]
 
