@@ -11,7 +11,7 @@ import argparse
 import os
 import time
 
-from app.inference import ModelLoadError, preset_engine
+from app.inference import ModelLoadError, preset_engine, warm_up
 from app.layout import build_demo, launch_options
 from app.presets import default_preset
 
@@ -36,7 +36,11 @@ if __name__ == "__main__":
     started = time.monotonic()
     try:  # load the default models up front (on ZeroGPU this must happen at start-up, outside @spaces.GPU)
         preset_engine(preset)
-        print(f"Loaded in {time.monotonic() - started:.0f} s; serving at http://{args.host}:{args.port}", flush=True)
+        print(f"Loaded in {time.monotonic() - started:.0f} s", flush=True)
+        warmed = warm_up(preset)
+        if warmed is not None:
+            print(f"GPU kernels compiled in {warmed:.0f} s (a first request would have waited for them)", flush=True)
+        print(f"Serving at http://{args.host}:{args.port}", flush=True)
     except ModelLoadError as err:
         print(f"warning: {err}")
     demo.launch(server_name=args.host, server_port=args.port, **launch_options())

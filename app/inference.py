@@ -52,6 +52,17 @@ def preset_engine(preset: Preset) -> Engine:
     return load_engine(preset.target, preset.draft)
 
 
+def warm_up(preset: Preset) -> float | None:
+    """Compile the preset's GPU kernels before serving (Engine.warm_up); seconds taken, or None where nothing is
+    compiled ahead (a CPU) or nothing may run outside a request (ZeroGPU lends its GPU only inside one)."""
+    engine = preset_engine(preset)
+    if engine.target.device.type != "cuda" or os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true"):
+        return None
+    started = time.monotonic()
+    engine.warm_up()
+    return time.monotonic() - started
+
+
 def counting_engine(preset: Preset) -> tuple[Engine, bool]:
     """The preset's engine if already loaded (exact counts), else the embedded one (approximate counts)."""
     if (preset.target, preset.draft) in _loaded:

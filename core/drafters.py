@@ -9,7 +9,7 @@ import torch
 
 from core.config import GenerationConfig, TriForceError
 from core.cuda_graphs import Graphs
-from core.kvcache import CachePool, StreamingCache
+from core.kvcache import CachePool, KVCache, StreamingCache
 from core.levels import Level
 from core.model import Transformer
 from core.parallel import agree
@@ -129,9 +129,11 @@ class ModelDrafter:
             cache = make()
         else:  # sink and window are sizes, not only a capacity: only an identical cache fits
             shape = (a.n_layers, a.n_kv_heads, cfg.sink_tokens + cfg.window_tokens + slack, a.head_dim)
-            cache = pool.take(lambda c: isinstance(c, StreamingCache) and tuple(c.k.shape) == shape
-                              and (c.sink, c.window, c.rotary) == (cfg.sink_tokens, cfg.window_tokens, model.rotary),
-                              make)
+            def kind(c: KVCache) -> bool:
+                return isinstance(c, StreamingCache) and c.rotary is model.rotary
+
+            cache = pool.take(lambda c: kind(c) and tuple(c.k.shape) == shape
+                              and (c.sink, c.window) == (cfg.sink_tokens, cfg.window_tokens), make, kind)
             cache.reset()
         self.level = Level(model, cache, [], graphs)
         self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import platform
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from core.output import Output
 from core.parallel import TensorParallel, parallelize
 from core.placement import GiB, device_budget, plan
 from core.prompting import build_prompt, plain_ids
+from core.samples import warm_up_text
 from core.triforce import TriForce
 
 _LOADED: dict[tuple, "Engine"] = {}
@@ -143,6 +145,26 @@ class Engine:
         prompt = build_prompt(self.tokenizer, document, instruction, self.context_length, cfg.max_new_tokens,
                               cfg.overflow)
         return self._run(prompt, cfg)
+
+    def warm_up(self, new_tokens: int = 128) -> list[Stats]:
+        """Run AR, greedy TriForce and sampled TriForce once on a short sample text, so that the kernels a GPU compiles
+        on first use (Triton, cuBLAS) are ready before a first request; its caches are released after."""
+        document, question = warm_up_text()
+        stats = []
+        for settings in ({"method": "ar", "greedy": True}, {"greedy": True}, {}):
+            cfg = GenerationConfig(max_new_tokens=new_tokens, overflow="truncate", **settings)
+            stats += [e.stats for e in self.generate(document, question, cfg) if isinstance(e, Finished)]
+        self.release()
+        return stats
+
+    def release(self) -> None:
+        """Give back the caches kept for a next run to reuse, and on a GPU the memory they (and the CUDA graphs
+        captured on them) held: after a warm-up on a prompt unlike the next, that memory is better free."""
+        self._prefilled = None
+        self.pool.clear()
+        if self.target.device.type == "cuda":
+            gc.collect()  # caches caught in reference cycles, then their graphs (held by weak reference)
+            torch.cuda.empty_cache()
 
     def _run(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
         """The events of one run; when it ends, the pool keeps only the caches it used."""

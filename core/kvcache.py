@@ -194,6 +194,10 @@ class CachePool:
         """A new generation starts: every cache is free again."""
         self.taken.clear()
 
+    def clear(self) -> None:
+        """Give every cache back."""
+        self.caches, self.taken = [], set()
+
     def trim(self) -> None:
         """A generation ended: free the caches it did not use (their memory is given back), keep the others."""
         self.caches = [c for c in self.caches if id(c) in self.taken]
@@ -208,10 +212,14 @@ class CachePool:
         finally:
             self.trim()
 
-    def take(self, fits: Callable[[KVCache], bool], make: Callable[[], KVCache]) -> KVCache:
-        """A free cache that `fits`, else a new one from make()."""
+    def take(self, fits: Callable[[KVCache], bool], make: Callable[[], KVCache],
+             kind: Callable[[KVCache], bool] | None = None) -> KVCache:
+        """A free cache that `fits`, else a new one from make(); free caches of the same `kind` (a run takes one of
+        each kind) are given back first, so that an old and a new cache never hold memory at once."""
         c = next((c for c in self.caches if id(c) not in self.taken and fits(c)), None)
         if c is None:
+            if kind is not None:
+                self.caches = [c for c in self.caches if id(c) in self.taken or not kind(c)]
             c = make()
             self.caches.append(c)
         self.taken.add(id(c))

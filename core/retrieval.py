@@ -135,9 +135,12 @@ def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int, p
     if pool is None:
         return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.device, head=head, start=index.length)
     need = kept + index.chunk_size + extra
-    cache = pool.take(lambda c: type(c) is KVCache and c.k.shape[:2] == (n_layers, n_kv) and c.k.shape[3] == d
-                      and reusable(c.capacity, need) and c.k.dtype == full.k.dtype,
-                      lambda: KVCache(n_layers, n_kv, d, need, full.k.dtype, full.device))
+
+    def kind(c: KVCache) -> bool:
+        return type(c) is KVCache and c.k.shape[:2] == (n_layers, n_kv) and c.k.shape[3] == d and c.k.dtype == full.k.dtype
+
+    cache = pool.take(lambda c: kind(c) and reusable(c.capacity, need),
+                      lambda: KVCache(n_layers, n_kv, d, need, full.k.dtype, full.device), kind)
     cache.reset(head, index.length)
     return cache
 

@@ -21,3 +21,9 @@ def sample_instructions() -> dict[str, list[str]]:
 def held_out_documents() -> list[str]:
     """File names of the held-out sample documents, in samples.json's order."""
     return _samples_json()["held_out"]
+
+
+def warm_up_text() -> tuple[str, str]:
+    """The first 3,000 characters of the first sample document and its first instruction (about 700 tokens)."""
+    first = _samples_json()["samples"][0]
+    return (DOCS / first["file"]).read_text(encoding="utf-8")[:3000], first["instructions"][0]

@@ -9,6 +9,7 @@ import core.triforce
 from core.config import GenerationConfig
 from core.engine import Engine
 from core.events import Finished, Tokens
+from core.kvcache import KVCache
 from core.prompting import Prompt
 from tests.test_lossless import DigitTokenizer
 from tests.tiny import tiny_config, tiny_pair
@@ -73,14 +74,25 @@ def test_memory_after_varied_runs_returns_to_one_runs():
 def test_same_sized_caches_are_reused_and_a_closed_run_is_trimmed():
     engine = tiny_engine()
     run(engine, 120, budget=64)
-    kept = [id(c) for c in engine.pool.caches]
+    kept = list(engine.pool.caches)  # held here, so no new cache can take an old one's id
     run(engine, 124, budget=64)
-    assert [id(c) for c in engine.pool.caches] == kept and len(kept) == 2  # retrieval + draft cache
+    assert engine.pool.caches == kept and len(kept) == 2  # retrieval + draft cache
     events = engine._run(prompt(700), GenerationConfig(**CFG, budget=600).validate())
     next(e for e in events if isinstance(e, Tokens))
     events.close()  # stopped mid-run: the caches it used are kept (the draft's again), the smaller retrieval one not
     assert not engine.pool.taken and len(engine.pool.caches) == 2
-    assert len(set(kept) & {id(c) for c in engine.pool.caches}) == 1
+    assert len({id(c) for c in kept} & {id(c) for c in engine.pool.caches}) == 1
+
+
+def test_a_cache_that_no_longer_fits_is_given_back_before_its_successor_is_allocated():
+    engine = tiny_engine()
+    run(engine, 120, budget=64)
+    small = next(c for c in engine.pool.caches if type(c) is KVCache)  # the retrieval cache; the other: the draft's
+    draft = next(c for c in engine.pool.caches if c is not small)
+    events = engine._run(prompt(700), GenerationConfig(**CFG, budget=600).validate())
+    next(e for e in events if isinstance(e, Tokens))  # mid-run: the new retrieval cache is in use
+    assert len(engine.pool.caches) == 2 and small not in engine.pool.caches and draft in engine.pool.caches
+    events.close()
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
@@ -101,3 +113,13 @@ def test_level2_drafts_no_more_than_the_answer_wants(monkeypatch, drafter):
         # each round drafts at most what is still wanted: max_new, then fewer
         assert levels[0].forwards <= max_new * (max_new + 1) // 2
         assert finished.stats.level2_proposed <= max_new * (max_new + 1) // 2
+
+
+def test_warm_up_runs_each_path_and_keeps_no_prompt_cache(embedded):
+    """Engine.warm_up (the app runs it before serving on a GPU) goes through AR, greedy and sampled TriForce on a
+    real prompt, then gives back its caches, so a first request starts clean."""
+    stats = embedded.warm_up(new_tokens=4)
+    assert [(s.method, s.settings["greedy"]) for s in stats] == [("ar", True), ("triforce", True), ("triforce", False)]
+    assert all(s.new_tokens > 0 and s.prompt_tokens > 500 for s in stats)
+    assert stats[2].level2_proposed > 0
+    assert embedded._prefilled is None and not embedded.pool.caches
