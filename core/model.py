@@ -154,8 +154,8 @@ class RMSNorm(nn.Module):
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input; theirs become views of it (no copy kept)."""
-    weight = torch.cat([lin.weight for lin in linears])
-    bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    weight = torch.cat([lin.weight.detach() for lin in linears])  # detached: no autograd node keeps the originals
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
     a = 0
     for lin in linears:
         b = a + lin.out_features

@@ -1,5 +1,8 @@
 """Our compact model computes the same logits as transformers' own implementations."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -106,3 +109,17 @@ def test_dequantised_gguf_cache_is_keyed_by_content(tmp_path):
         (tmp_path / name / "m.gguf").write_bytes(data)
     a, b, c = (_cache_dir(Source("m", str(tmp_path / n), "m.gguf")) for n in "abc")
     assert a == b != c and a.name.startswith("m-")
+
+
+def test_fused_projections_keep_no_copy_of_the_separate_weights():
+    """Fusing q/k/v and gate/up leaves the separate projections as views of the fused weight, even for a model whose
+    parameters still require grad (an autograd node must not keep the old weights alive: 9 GB at the 7B shape)."""
+    from core.model import Transformer
+
+    model = Transformer(tiny_config())
+    old = weakref.ref(model.layers[0].self_attn.q_proj.weight)
+    model.fuse_projections()
+    gc.collect()
+    att, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert old() is None
+    assert att.q_proj.weight.data_ptr() == att.wqkv.data_ptr() and mlp.gate_proj.weight.data_ptr() == mlp.w13.data_ptr()
