@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 try:  # ZeroGPU: the `spaces` package must be imported before torch; off a Space its decorator does nothing.
     import spaces
@@ -26,6 +27,24 @@ _DONE = object()  # the end of a generation's event queue
 HANDOVER_S = 0.02  # events go to the app in batches at most this far apart (a handover per event costs GIL switches)
 URGENT_KINDS = ("Loading", "PrefillProgress", "PromptReady", "Finished")  # handed over at once
 _loaded: dict[tuple[str | None, str | None], dict] = {}
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, where there is one (Linux with glibc)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def trim_host_memory() -> None:
+    """Hand the C heap's free pages back to the system after a run: glibc keeps them, so runs of varied sizes would
+    otherwise leave the process's resident memory creeping up."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class ModelLoadError(RuntimeError):
@@ -113,6 +132,7 @@ def stream_events(preset: Preset, document: str, instruction: str, config: Gener
                 batch.append(err)
             finally:
                 generation.close()
+                trim_host_memory()
                 events.put(batch)
                 events.put(_DONE)
 
