@@ -22,9 +22,11 @@ from core import Engine, GenerationConfig
 
 from app.presets import Preset
 
+ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")  # a ZeroGPU Space (spaces' own test)
 _RUN_LOCK = threading.Lock()  # one generation at a time, even while a cancelled run's last step finishes
 _DONE = object()  # the end of a generation's event queue
 HANDOVER_S = 0.02  # events go to the app in batches at most this far apart (a handover per event costs GIL switches)
+WAITING_S = 0.25  # with no event for this long, the stream says it is waiting (a Stop lands between yields)
 URGENT_KINDS = ("Loading", "PrefillProgress", "PromptReady", "Finished")  # handed over at once
 _loaded: dict[tuple[str | None, str | None], dict] = {}
 
@@ -75,7 +77,7 @@ def warm_up(preset: Preset) -> float | None:
     """Compile the preset's GPU kernels before serving (Engine.warm_up); seconds taken, or None where nothing is
     compiled ahead (a CPU) or nothing may run outside a request (ZeroGPU lends its GPU only inside one)."""
     engine = preset_engine(preset)
-    if engine.target.device.type != "cuda" or os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true"):
+    if engine.target.device.type != "cuda" or ZERO_GPU:
         return None
     started = time.monotonic()
     engine.warm_up()
@@ -96,11 +98,12 @@ def loaded_infos() -> list[dict]:
 
 @gpu
 def _event_dicts(target: str | None, draft: str | None, document: str, instruction: str,
-                 config: dict) -> Iterator[dict]:
+                 config: dict, stop: threading.Event | None = None) -> Iterator[dict]:
     """Generation events as plain dicts (safe to pickle out of a ZeroGPU worker); a Verdict also carries the text of
-    each proposed token (`proposed_texts`), for showing rejected drafts."""
+    each proposed token (`proposed_texts`), for showing rejected drafts. `stop` (not across processes: None on
+    ZeroGPU) stops a prefill between two layers."""
     engine = load_engine(target, draft)
-    for event in engine.generate(document, instruction, GenerationConfig(**config)):
+    for event in engine.generate(document, instruction, GenerationConfig(**config), stop):
         data = event.to_dict()
         if data["kind"] == "Verdict":
             data["proposed_texts"] = [engine.tokenizer.decode([token]) for token in data["proposed"]]
@@ -110,14 +113,16 @@ def _event_dicts(target: str | None, draft: str | None, document: str, instructi
 def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig) -> Iterator[dict]:
     """Event dicts of one generation. The engine runs in a thread of its own and hands events over through a queue,
     so rendering them never holds decoding up (a generator's consumer would otherwise be timed as decoding), in
-    batches HANDOVER_S apart; one generation at a time, and a closed stream (Stop) ends its generation at the next
-    event."""
+    batches HANDOVER_S apart; one generation at a time. While no event comes (a long prefill forward), a
+    {"kind": "Waiting"} comes every WAITING_S, so that the consumer yields and a Stop lands; a closed stream (Stop)
+    ends its generation at the next event, or between two layers of a prefill forward."""
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
 
     def run() -> None:
         with _RUN_LOCK:
-            generation = _event_dicts(preset.target, preset.draft, document, instruction, config.to_dict())
+            generation = _event_dicts(preset.target, preset.draft, document, instruction, config.to_dict(),
+                                      None if ZERO_GPU else stop)
             batch: list = []
             handed = time.monotonic()
             try:
@@ -138,7 +143,14 @@ def stream_events(preset: Preset, document: str, instruction: str, config: Gener
 
     threading.Thread(target=run, name="triforce-generation", daemon=True).start()
     try:
-        while (batch := events.get()) is not _DONE:
+        while True:
+            try:
+                batch = events.get(timeout=WAITING_S)
+            except queue.Empty:
+                yield {"kind": "Waiting"}
+                continue
+            if batch is _DONE:
+                break
             for item in batch:
                 if isinstance(item, Exception):
                     raise item

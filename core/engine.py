@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import platform
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -17,7 +18,7 @@ from core.cuda_graphs import Graphs
 from core.drafters import DraftContext, Drafter, ModelDrafter, make_drafter
 from core.events import Acceptance, Event, Finished, Loading, PrefillProgress, PromptReady, Stats
 from core.kvcache import CachePool, KVCache, reusable
-from core.levels import Level
+from core.levels import Level, Stopped
 from core.loading import default_draft, device_and_dtype, load_draft, load_model
 from core.model import Transformer
 from core.offload import OffloadedKVCache
@@ -137,14 +138,15 @@ class Engine:
         return make_drafter(cfg.drafter, DraftContext(self.draft, cfg, prompt, self.target.args.vocab_size,
                                                       generator, self.pool, self.graphs))
 
-    def generate(self, document: str, instruction: str, config: GenerationConfig | None = None
-                 ) -> Iterator[Event]:
+    def generate(self, document: str, instruction: str, config: GenerationConfig | None = None,
+                 stop: threading.Event | None = None) -> Iterator[Event]:
         """Events of one generation (TriForce or autoregressive, per config.method); bad input raises TriForceError
-        before anything is computed."""
+        before anything is computed. Closing the iterator stops it at its next event; setting `stop` also stops a
+        prefill between two layers (the stream then ends without Finished)."""
         cfg = (config or GenerationConfig()).validate()
         prompt = build_prompt(self.tokenizer, document, instruction, self.context_length, cfg.max_new_tokens,
                               cfg.overflow)
-        return self._run(prompt, cfg)
+        return self._run(prompt, cfg, stop)
 
     def warm_up(self, new_tokens: int = 128) -> list[Stats]:
         """Run AR, greedy TriForce and sampled TriForce once on a short sample text, so that the kernels a GPU compiles
@@ -166,11 +168,11 @@ class Engine:
             gc.collect()  # caches caught in reference cycles, then their graphs (held by weak reference)
             torch.cuda.empty_cache()
 
-    def _run(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
+    def _run(self, prompt, cfg: GenerationConfig, stop: threading.Event | None = None) -> Iterator[Event]:
         """The events of one run; when it ends, the pool keeps only the caches it used."""
-        return self.pool.during(self._events(prompt, cfg))
+        return self.pool.during(self._events(prompt, cfg, stop))
 
-    def _events(self, prompt, cfg: GenerationConfig) -> Iterator[Event]:
+    def _events(self, prompt, cfg: GenerationConfig, stop: threading.Event | None) -> Iterator[Event]:
         ids = prompt.ids
         model = self.target
         capacity = len(ids) + cfg.max_new_tokens + (cfg.gamma2 or 12) + 2
@@ -183,8 +185,13 @@ class Engine:
         target = Level(model, self._full_cache(capacity, cfg, placement.offloaded), [], self.graphs)
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         t0 = time.perf_counter()
-        for progress in self._prefill(target, ids, cfg, t0):
-            yield progress
+        try:
+            for progress in self._prefill(target, ids, cfg, t0, stop):
+                yield progress
+        except Stopped:  # the half-filled cache is dropped once copies in flight to or from it are done
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            return
         out = Output(self.tokenizer, cfg, model.eos_ids)
         run = None
         if cfg.method == "ar":
@@ -236,7 +243,8 @@ class Engine:
         make = OffloadedKVCache if offloaded else KVCache
         return make(a.n_layers, a.n_kv_heads, a.head_dim, capacity, self.target.dtype, self.target.device)
 
-    def _prefill(self, target: Level, ids: list[int], cfg: GenerationConfig, t0: float) -> Iterator[Event]:
+    def _prefill(self, target: Level, ids: list[int], cfg: GenerationConfig, t0: float,
+                 stop: threading.Event | None = None) -> Iterator[Event]:
         """Fill the full cache with ids[:-1] in chunks, recording the last row's queries (retrieval's first
         selection); the same prompt as the previous run's reuses its cache."""
         full, body = target.cache, ids[:-1]
@@ -248,6 +256,6 @@ class Engine:
         self._prefilled = None
         full.truncate(0)
         chunk = cfg.prefill_chunk or default_prefill_chunk(self.target, self.budget)
-        for done in target.prefill(body, chunk, record=1):
+        for done in target.prefill(body, chunk, record=1, stop=stop):
             yield PrefillProgress(done, len(body), time.perf_counter() - t0, full.nbytes)
         self._prefilled = (list(ids), full, target.queries)

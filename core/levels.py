@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator, Sequence
 
 import torch
@@ -18,6 +19,10 @@ def common_prefix(a: list[int], b: list[int], start: int, limit: int) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+class Stopped(Exception):
+    """A prefill forward was stopped between two layers (its cache holds part of a chunk: not to be reused)."""
 
 
 class Level:
@@ -58,15 +63,21 @@ class Level:
         self.forwards += 1
         return out
 
-    def prefill(self, ids: list[int], chunk: int, record: int = 0) -> Iterator[int]:
+    def prefill(self, ids: list[int], chunk: int, record: int = 0, stop: threading.Event | None = None
+                ) -> Iterator[int]:
         """Feed ids into the cache in chunks without computing logits; yields the count done after each chunk. With
-        `record`, self.queries holds the queries of the last `record` ids."""
+        `record`, self.queries holds the queries of the last `record` ids. Once `stop` is set, the next layer raises
+        Stopped (a chunk can take seconds on a CPU)."""
+        def between() -> None:
+            if stop.is_set():
+                raise Stopped
+
         for a in range(0, len(ids), chunk):
             piece = ids[a:a + chunk]
             self.cache.begin(len(piece))
             last = a + chunk >= len(ids)
             _, queries = self.model.step(torch.tensor(piece, device=self.model.device), self.cache, 0,
-                                         record if last else 0)
+                                         record if last else 0, between if stop is not None else None)
             if last:
                 self.queries = queries
             self.tokens.extend(piece)

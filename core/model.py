@@ -7,7 +7,7 @@ context, a retrieved subset, or a StreamingLLM window; core.ops chooses the oper
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -303,16 +303,19 @@ class Transformer(nn.Module):
         cache.begin(ids.shape[0])
         return self.head(self.step(ids, cache, n_logits)[0])
 
-    def step(self, ids: torch.Tensor, cache: AttentionCache, n_rows: int | None = None, record: int = 0
-             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def step(self, ids: torch.Tensor, cache: AttentionCache, n_rows: int | None = None, record: int = 0,
+             between: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """forward after cache.begin, up to the final norm: the normed hidden states [n_rows, D] of the last n_rows
         positions (all when None), and per layer the group-summed rotated queries [Hkv, record, D] of the last
-        `record` positions (none when 0). Device work only, so a CUDA graph can capture it."""
+        `record` positions (none when 0). Device work only, so a CUDA graph can capture it; `between` (eager calls
+        only) runs before each layer, e.g. to stop a long prefill forward by raising."""
         ops = self.ops
         cos, sin = self.rotary.cos_sin(cache.positions(), self.dtype)
         step = Step(cos, sin, cache, record)
         x = self.embed_tokens(ids)
         for i, layer in enumerate(self.layers):
+            if between is not None:
+                between()
             x = layer(x, step, i, ops)
         cache.end()
         if n_rows is not None:

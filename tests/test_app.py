@@ -607,3 +607,28 @@ def test_ten_concurrent_sessions_finish_in_queue_order(server, short_doc: str) -
     results = [job.result(timeout=300) for job in jobs]
     assert all(result[0].startswith("✅ Finished") for result in results)
     assert finished == list(range(10))
+
+
+def test_a_waiting_stream_yields_and_its_close_reaches_the_engine(monkeypatch):
+    """While the engine is inside a long prefill forward (no events), the stream says it is waiting every WAITING_S,
+    so the UI's generator yields and a Stop lands; closing the stream sets the stop the engine checks between
+    layers."""
+    from app import inference
+
+    seen: dict = {}
+
+    def long_prefill(target, draft, document, instruction, config, stop=None):
+        seen["stop"] = stop
+        yield {"kind": "Loading", "stage": "ready", "fraction": 1.0}
+        seen["stopped"] = stop.wait(30)  # a prefill forward, checking `stop` before each layer
+
+    monkeypatch.setattr(inference, "_event_dicts", long_prefill)
+    stream = inference.stream_events(PRESETS[0], "a document", "a question", GenerationConfig())
+    assert next(stream)["kind"] == "Loading"
+    started = time.monotonic()
+    assert next(stream)["kind"] == "Waiting" and time.monotonic() - started < 10
+    stream.close()
+    deadline = time.monotonic() + 10
+    while "stopped" not in seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert seen.get("stopped") is True

@@ -2,13 +2,15 @@
 last run used kept when it ends (memory after many runs of varied sizes stays at one run's), level 2 drafting no more
 than the answer still wants."""
 
+import threading
+
 import pytest
 import torch
 
 import core.triforce
 from core.config import GenerationConfig
 from core.engine import Engine
-from core.events import Finished, Tokens
+from core.events import Finished, PrefillProgress, Tokens
 from core.kvcache import KVCache
 from core.prompting import Prompt
 from tests.test_lossless import DigitTokenizer
@@ -93,6 +95,24 @@ def test_a_cache_that_no_longer_fits_is_given_back_before_its_successor_is_alloc
     next(e for e in events if isinstance(e, Tokens))  # mid-run: the new retrieval cache is in use
     assert len(engine.pool.caches) == 2 and small not in engine.pool.caches and draft in engine.pool.caches
     events.close()
+
+
+def test_a_set_stop_ends_a_prefill_forward_between_two_layers():
+    def engine() -> Engine:
+        _, target = tiny_pair(tiny_config(vocab=VOCAB, layers=2, max_position=1024), seed=0)
+        target.eos_ids = set()
+        return Engine(target.requires_grad_(False), DigitTokenizer(), "tiny", None, None, 1024)
+
+    stopped, stop, later_layers = engine(), threading.Event(), []
+    first = stopped.target.layers[0].register_forward_hook(lambda *_: stop.set())  # stop asked during layer 0
+    stopped.target.layers[1].register_forward_hook(lambda *_: later_layers.append(1))
+    cfg = GenerationConfig(**{**CFG, "method": "ar"}).validate()
+    events = list(stopped._run(prompt(300), cfg, stop))
+    assert not later_layers and not any(isinstance(e, (PrefillProgress, Finished)) for e in events)
+    first.remove()
+    again = [e for e in stopped._run(prompt(300), cfg) if isinstance(e, Finished)][0]  # nothing half-done is kept
+    fresh = [e for e in engine()._run(prompt(300), cfg) if isinstance(e, Finished)][0]
+    assert not again.stats.prefill_reused and again.token_ids == fresh.token_ids
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
