@@ -11,6 +11,9 @@ soak  N mixed runs (TriForce and Compare, greedy and sampled, varied document si
       every tenth run) against the embedded model on the CPU; the server's RSS is sampled after each run and must
       end within 20 % of its level after the first 10 runs.
       python -m bench.served soak [--runs 200]
+stop  Stop during a CPU prefill: a long TriForce run on the embedded model is cancelled inside a 2048-token prefill
+      forward; the time until a short run then finishes is how long the Stop kept the app busy.
+      python -m bench.served stop [--trials 3]
 """
 
 from __future__ import annotations
@@ -209,6 +212,26 @@ def soak(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def stop(args: argparse.Namespace) -> None:
+    """Seconds from cancelling a run inside a prefill forward until a short run has finished, per trial."""
+    text = (DOCS / DOCUMENT).read_text()
+    short = {"document": text[:1500], "instruction": QUESTION, "preset_name": EMBEDDED, "max_new_tokens": 4}
+    work = Path(tempfile.mkdtemp(prefix="stop-"))
+    seconds = []
+    with serving({"TRIFORCE_TARGET": "", "CUDA_VISIBLE_DEVICES": ""}, work / "app.log") as (client, _):
+        client.predict(**short, api_name="/triforce")  # the model loaded and warm
+        for trial in range(args.trials):
+            job = client.submit(document=text[:40_000], instruction=QUESTION, preset_name=EMBEDDED,
+                                max_new_tokens=8, api_name="/triforce")  # ~8K tokens: four 2048-token forwards
+            time.sleep(4 + 3 * trial)  # somewhere inside the first or second forward
+            t0 = time.monotonic()
+            job.cancel()
+            client.predict(**short, api_name="/triforce")
+            seconds.append(time.monotonic() - t0)
+            print(f"trial {trial}: a short run finished {seconds[-1]:.1f} s after Stop", flush=True)
+    print(save("served-stop", {**environment(), "seconds_until_next_run_finished": seconds}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = parser.add_subparsers(dest="part", required=True)
@@ -223,8 +246,10 @@ def main() -> None:
     g.add_argument("--out", help="result file (default: the GPU's bench/results file)")
     s = parts.add_parser("soak", help="mixed runs through the served app, RSS sampled")
     s.add_argument("--runs", type=int, default=200)
+    t = parts.add_parser("stop", help="Stop inside a CPU prefill forward, then time a short run")
+    t.add_argument("--trials", type=int, default=3)
     args = parser.parse_args()
-    {"gpu": gpu, "soak": soak}[args.part](args)
+    {"gpu": gpu, "soak": soak, "stop": stop}[args.part](args)
 
 
 if __name__ == "__main__":
