@@ -17,7 +17,8 @@ from app.presets import default_preset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Host and port from the command line, else TRIFORCE_HOST/GRADIO_SERVER_NAME and TRIFORCE_PORT/GRADIO_SERVER_PORT."""
+    """Host and port from the command line, else TRIFORCE_HOST/GRADIO_SERVER_NAME and
+    TRIFORCE_PORT/GRADIO_SERVER_PORT."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default=os.environ.get("TRIFORCE_HOST") or os.environ.get("GRADIO_SERVER_NAME")
                         or "127.0.0.1")

@@ -159,7 +159,8 @@ def run_triforce(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[d
            "run_state": state}
     for kind in _stream(chosen, values["document"], values["instruction"], config, state, progress):
         now = time.monotonic()
-        force = kind in ("PromptReady", "Finished") or (kind == "RetrievalSelection" and len(state.selection_rounds) == 1)
+        force = kind in ("PromptReady", "Finished") or (kind == "RetrievalSelection"
+                                                         and len(state.selection_rounds) == 1)
         if text_gate.due(now, force):
             yield _triforce_frame(state, mode, show, plot_gate.due(now, force))
     if not state.finished:  # the stream ended without Finished: show the last state in full

@@ -83,7 +83,8 @@ def read_document(path: str | Path) -> str:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
-        raise DocumentError(f"Unsupported file type {suffix or '(none)'!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}.")
+        raise DocumentError(f"Unsupported file type {suffix or '(none)'!r}; "
+                            f"use one of {', '.join(SUPPORTED_SUFFIXES)}.")
     size = path.stat().st_size
     if size > MAX_UPLOAD_BYTES:
         raise DocumentError(f"The file is {size / 2**20:.1f} MiB; the limit is {MAX_UPLOAD_BYTES / 2**20:.0f} MiB.")

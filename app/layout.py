@@ -145,8 +145,9 @@ def build_demo() -> gr.Blocks:
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document")
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")
-        describe = dict(fn=callbacks.describe_document, inputs=[document, preset_name, panel["budget"], instruction,
-                                                                panel["max_new_tokens"]], outputs=doc_info, show_progress="hidden", trigger_mode="always_last", concurrency_limit=None)
+        describe = dict(fn=callbacks.describe_document,
+                        inputs=[document, preset_name, panel["budget"], instruction, panel["max_new_tokens"]],
+                        outputs=doc_info, show_progress="hidden", trigger_mode="always_last", concurrency_limit=None)
         document.change(api_name="describe_document", **describe)
         panel["budget"].change(api_visibility="private", **describe)
         preset_name.input(callbacks.preset_settings, preset_name, [panel[name] for name in PRESET_SETTINGS],

@@ -40,6 +40,7 @@ ROOT = Path(__file__).parent.parent
 DOCUMENT = "pride_and_prejudice.txt"
 QUESTION = "Summarise what has happened so far, naming the main characters."
 SAMPLED = {"greedy": False, "temperature": 0.6, "top_p": 0.9}
+EMBEDDED_ON_CPU = {"TRIFORCE_TARGET": "", "CUDA_VISIBLE_DEVICES": ""}  # the app's environment for soak and stop
 
 
 @contextlib.contextmanager
@@ -176,7 +177,7 @@ def soak(args: argparse.Namespace) -> None:
     text = (DOCS / DOCUMENT).read_text()
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     samples, failures = [], []
-    with serving({"TRIFORCE_TARGET": "", "CUDA_VISIBLE_DEVICES": ""}, work / "app.log") as (client, pid):
+    with serving(EMBEDDED_ON_CPU, work / "app.log") as (client, pid):
         base = rss_mib(pid)
         started = time.monotonic()
         for run in range(args.runs):
@@ -218,7 +219,7 @@ def stop(args: argparse.Namespace) -> None:
     short = {"document": text[:1500], "instruction": QUESTION, "preset_name": EMBEDDED, "max_new_tokens": 4}
     work = Path(tempfile.mkdtemp(prefix="stop-"))
     seconds = []
-    with serving({"TRIFORCE_TARGET": "", "CUDA_VISIBLE_DEVICES": ""}, work / "app.log") as (client, _):
+    with serving(EMBEDDED_ON_CPU, work / "app.log") as (client, _):
         client.predict(**short, api_name="/triforce")  # the model loaded and warm
         for trial in range(args.trials):
             job = client.submit(document=text[:40_000], instruction=QUESTION, preset_name=EMBEDDED,
@@ -238,7 +239,8 @@ def main() -> None:
     g = parts.add_parser("gpu", help="first/second/sampled Compare clicks through the served app")
     source = g.add_mutually_exclusive_group(required=True)
     source.add_argument("--target", help="model directory or hub id the app serves")
-    source.add_argument("--random", choices=sorted(SHAPES), help="serve random weights at this shape (with --tokenizer)")
+    source.add_argument("--random", choices=sorted(SHAPES),
+                        help="serve random weights at this shape (with --tokenizer)")
     g.add_argument("--tokenizer", help="tokenizer directory for --random")
     g.add_argument("--draft", default="assets/draft")
     g.add_argument("--doc-tokens", type=int, default=8000)

@@ -246,7 +246,8 @@ def load_draft(source: str, target: Transformer, target_tok, target_name: str, d
     missing, unexpected = ([], clash) if clash else draft.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not k.startswith(prefixes)]
     if unexpected or set(missing) - {"embed_tokens.weight", "lm_head.weight"}:
-        raise ValueError(f"{source}: weights do not fit its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ValueError(f"{source}: weights do not fit its config "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if head_ids is not None:  # a reduced LM head: the target's rows for the most frequent tokens
         draft.restrict_head(head_ids)

@@ -137,7 +137,8 @@ def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int, p
     need = kept + index.chunk_size + extra
 
     def kind(c: KVCache) -> bool:
-        return type(c) is KVCache and c.k.shape[:2] == (n_layers, n_kv) and c.k.shape[3] == d and c.k.dtype == full.k.dtype
+        return (type(c) is KVCache and c.k.shape[:2] == (n_layers, n_kv) and c.k.shape[3] == d
+                and c.k.dtype == full.k.dtype)
 
     cache = pool.take(lambda c: kind(c) and reusable(c.capacity, need),
                       lambda: KVCache(n_layers, n_kv, d, need, full.k.dtype, full.device), kind)

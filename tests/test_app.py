@@ -385,7 +385,8 @@ def test_offloaded_run_says_where_caches_live_and_what_crosses_the_link() -> Non
     state = RunState()
     apply_event(state, prompt_event(4))
     assert "CPU memory" not in status_markdown(state)
-    caches = {"full KV cache": {"where": "CPU", "bytes": 3 * 2**30}, "retrieval cache": {"where": "GPU", "bytes": 2**29}}
+    caches = {"full KV cache": {"where": "CPU", "bytes": 3 * 2**30},
+              "retrieval cache": {"where": "GPU", "bytes": 2**29}}
     apply_event(state, {**prompt_event(4), "offloaded": True, "caches": caches})
     status = status_markdown(state)
     assert "lives in CPU memory" in status and "full KV cache 3.00 GiB on the CPU" in status

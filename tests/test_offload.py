@@ -105,7 +105,8 @@ def test_placement_offloads_only_beyond_the_budget(monkeypatch):
     assert not roomy.offloaded and roomy.device["full KV cache"] == full and not roomy.host
     assert (resolved.budget, resolved.gamma2) == (4096, 6)
     tight, resolved = plan(model, None, capacity, prompt, cfg, budget=2 * GiB)
-    assert plan(model, None, capacity, prompt, GenerationConfig(method="ar"), budget=2 * GiB)[0] == tight  # like for like
+    like_for_like = plan(model, None, capacity, prompt, GenerationConfig(method="ar"), budget=2 * GiB)[0]
+    assert like_for_like == tight
     assert tight.offloaded and tight.index_on_device and tight.host == {"full KV cache": full}
     assert tight.device["full KV cache staging (2 layers)"] == full // 8 and sum(tight.device.values()) <= 2 * GiB
     assert (resolved.budget, resolved.gamma2) == (8192, 12)
