@@ -176,7 +176,9 @@ class Engine:
         ids = prompt.ids
         model = self.target
         capacity = len(ids) + cfg.max_new_tokens + (cfg.gamma2 or 12) + 2
-        placement, cfg = plan(model, self.draft, capacity, len(ids), cfg, self.budget)
+        kept = self._prefilled[1] if self._prefilled else None
+        held = kept.nbytes if isinstance(kept, OffloadedKVCache) else 0
+        placement, cfg = plan(model, self.draft, capacity, len(ids), cfg, self.budget, held)
         cs = cfg.chunk_size
         yield PromptReady(len(ids), prompt.document_tokens, prompt.dropped_tokens, self.context_length,
                           cfg.max_new_tokens, cs,

@@ -55,10 +55,12 @@ class Placement:
 
 
 def plan(model: Transformer, draft: Transformer | None, capacity: int, prompt_tokens: int, cfg: GenerationConfig,
-         budget: int | None) -> tuple[Placement, GenerationConfig]:
+         budget: int | None, host_held: int = 0) -> tuple[Placement, GenerationConfig]:
     """The placement for a full cache of `capacity` tokens over a prompt of `prompt_tokens`, and the settings resolved
     for it (offloaded runs default to the paper's budget 8192 and γ2 12). `budget`: device bytes (None: no limit,
-    e.g. a CPU run). Raises TriForceError when it fits neither way, or the host lacks memory for the offloaded cache."""
+    e.g. a CPU run); `host_held`: host bytes the engine holds in a kept offloaded cache, reused or given back before
+    this run allocates, so counted as available. Raises TriForceError when it fits neither way, or the host lacks
+    memory for the offloaded cache."""
     a = model.args
     kv_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.dtype.itemsize
     weights = parameter_bytes(model, draft)
@@ -99,9 +101,10 @@ def plan(model: Transformer, draft: Transformer | None, capacity: int, prompt_to
         raise TriForceError(f"the run needs {sum(device.values()) / GiB:.1f} GiB of GPU memory even with the KV cache "
                             f"offloaded ({_listing(device)}) but the budget is {budget / GiB:.1f} GiB: shorten the "
                             "document, lower the retrieval budget or pick a smaller model")
-    if sum(host.values()) > 0.9 * host_available():
+    available = host_available() + host_held
+    if sum(host.values()) > 0.9 * available:
         raise TriForceError(f"offloading needs {sum(host.values()) / GiB:.1f} GiB of CPU memory ({_listing(host)}) "
-                            f"but {host_available() / GiB:.1f} GiB are available: shorten the document")
+                            f"but {available / GiB:.1f} GiB are available: shorten the document")
     return Placement(True, index_on_device, device, host, budget), c
 
 

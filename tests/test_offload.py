@@ -45,13 +45,18 @@ def test_streamed_cache_computes_what_the_resident_one_does():
         assert torch.equal(resident, streamed)
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
+def tiny_offload_engine() -> Engine:
+    """A two-layer target with a one-layer draft."""
     _, target = tiny_pair(tiny_config(vocab=96, layers=2), seed=0)
     _, draft = tiny_pair(tiny_config(vocab=96, layers=1), seed=1)
     target, draft = target.to(DEVICE), draft.to(DEVICE)
     target.eos_ids = set()
     return Engine.from_models(target, DigitTokenizer(), "tiny", draft, "tiny-draft", 256)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return tiny_offload_engine()
 
 
 def finish(engine: Engine, **settings) -> Finished:
@@ -120,6 +125,22 @@ def test_placement_offloads_only_beyond_the_budget(monkeypatch):
     monkeypatch.setattr("core.placement.host_available", lambda: full // 2)
     with pytest.raises(TriForceError, match="CPU memory"):
         plan(model, None, capacity, prompt, cfg, budget=2 * GiB)
+
+
+def test_the_kept_offloaded_cache_counts_as_available_host_memory(monkeypatch):
+    """A next run reuses the previous run's offloaded cache or gives it back before allocating, so the host memory it
+    holds (which lowers the machine's MemAvailable, mocked here) is not counted against the run."""
+    engine = tiny_offload_engine()
+    engine.budget = 2 * GiB  # plans as on a GPU: the host memory is checked
+    finish(engine, offload="on", max_new_tokens=4)
+    need = engine._prefilled[1].nbytes
+    held = lambda: engine._prefilled[1].nbytes if engine._prefilled else 0  # noqa: E731
+    monkeypatch.setattr("core.placement.host_available", lambda: int(1.5 * need) - held())
+    assert finish(engine, offload="on", max_new_tokens=4).stats.offloaded  # reused
+    assert finish(engine, offload="on", max_new_tokens=40).stats.offloaded  # larger: the old one given back first
+    monkeypatch.setattr("core.placement.host_available", lambda: int(0.5 * need) - held())
+    with pytest.raises(TriForceError, match="CPU memory"):
+        finish(engine, offload="on", max_new_tokens=4)
 
 
 def test_prompt_ready_says_where_each_cache_lives(engine):
