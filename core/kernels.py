@@ -18,9 +18,9 @@ TARGET_PROGRAMS = 2 * 132  # two per SM of an H100/H200: more, shorter splits me
 @triton.jit
 def _split_kernel(Q, K, V, Meta, Part, Lse, split_len, scale,
                   stride_qh, stride_kh, stride_kn, stride_ph, stride_ps, stride_pm, stride_lh, stride_ls,
-                  N_NEW: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  D: tl.constexpr):
-    """One (KV head, split): online softmax of the group's query rows over keys [start, start + split_len)."""
+                  N_NEW, ROWS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """One (KV head, split): online softmax of the group's query rows over keys [start, start + split_len). The
+    new-token count is a runtime value: one compiled kernel per BLOCK_M serves every step size that fits it."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     base = tl.load(Meta + 1)  # slot of the first new token; keys [0, base + N_NEW) are valid
@@ -55,7 +55,7 @@ def _split_kernel(Q, K, V, Meta, Part, Lse, split_len, scale,
 
 @triton.jit
 def _reduce_kernel(Part, Lse, Out, stride_ph, stride_ps, stride_pm, stride_lh, stride_ls, stride_on, stride_oh,
-                   N_NEW: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr):
+                   N_NEW, GROUP: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr):
     """Combine the splits of one (KV head, query row) and write it as out[token, query head]."""
     h = tl.program_id(0)
     r = tl.program_id(1)
@@ -252,8 +252,9 @@ def _graph_bench(fn, quantiles=None):
     return triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles)
 
 
-_gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["M", "N", "K"], restore_value=["Y"],
-                              do_bench=_graph_bench)(_gemv_kernel)
+# tuned once per weight shape: every m <= BLOCK_M rows is one block of the same work, so the best launch does not
+# depend on m (keyed on it, each new step size met mid-run would pay a tuning of every projection)
+_gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K"], restore_value=["Y"], do_bench=_graph_bench)(_gemv_kernel)
 GEMV_ROWS = MAX_QUERIES  # decode steps; longer inputs (prefill) go to cuBLAS
 USE_GEMV = os.environ.get("TRIFORCE_GEMV", "1") != "0"  # benchmarks compare it with cuBLAS
 

@@ -26,9 +26,9 @@ DEV, BF16 = "cuda", torch.bfloat16
 TOL = 1e-2  # relative error of a bf16 result (an H200 measured <= 2.2e-3 against float64)
 # q heads, KV heads, head dim, new tokens, cached keys (the new ones included)
 ATTENTION = [(32, 32, 128, 1, 5000), (32, 32, 128, 7, 4097), (9, 3, 64, 1, 130), (9, 3, 64, 7, 70),
-             (9, 3, 64, 3, 20000), (32, 8, 128, 7, 1000)]
-GEMV = [(1, 4096, 11008, False, True), (3, 12288, 4096, True, False), (7, 576, 1536, False, True)]  # rows, out,
-# in, bias, added to a residual
+             (9, 3, 64, 3, 20000), (32, 8, 128, 7, 1000), (32, 8, 128, 13, 3000), (32, 8, 128, 16, 3000)]
+GEMV = [(1, 4096, 11008, False, True), (3, 12288, 4096, True, False), (7, 576, 1536, False, True),
+        (13, 4096, 11008, False, True), (16, 4096, 11008, False, True)]  # rows, out, in, bias, added to a residual
 GRAPH_MODEL = dict(vocab_size=32000, hidden_size=576, intermediate_size=3072, num_hidden_layers=4,
                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=131072,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
@@ -282,6 +282,17 @@ def test_norm_rope_swiglu_kernels(triton):
 @pytest.mark.parametrize("case", GEMV, ids=gemv_key)
 def test_gemv_matches_float64_and_cublas(triton, case):
     assert_small(gemv_errors(triton, *case))
+
+
+def test_gemv_is_tuned_once_per_weight_shape(triton):
+    """Every step size up to the kernel's rows reuses one tuning of a projection: none is paid mid-run."""
+    from core import kernels
+    g = torch.Generator(DEV).manual_seed(4)
+    w = randn(2304, 832, g=g)
+    for m in range(1, kernels.GEMV_ROWS + 1):
+        x = randn(m, 832, g=g)
+        assert rel(triton.k.gemv(x, w), x.double() @ w.double().T) <= TOL
+    assert [key[:2] for key in kernels._gemv_tuned.cache].count((2304, 832)) == 1
 
 
 def test_projections_go_to_cublas_without_the_gemv(triton):
