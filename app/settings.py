@@ -7,14 +7,13 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import typing
 from collections.abc import Mapping
 from typing import Any
 
 import gradio as gr
 
 from core import GenerationConfig, TriForceError
-from core.config import Setting, settings, value_types
+from core.config import Setting, settings, type_hints, value_types
 
 SLIDER_SPAN = 64  # an integer setting whose range is at most this wide gets a slider, a wider one a number box
 RADIO_CHOICES = 4  # named choices up to this many are radio buttons, more a dropdown
@@ -24,7 +23,7 @@ AUTO = "auto"
 
 def app_settings() -> dict[str, tuple[dataclasses.Field, Setting, tuple[type, ...]]]:
     """The settings the app shows, by name, with their field, declaration and allowed value types."""
-    hints = typing.get_type_hints(GenerationConfig)
+    hints = type_hints()
     return {name: (f, spec, value_types(hints[name])) for name, (f, spec) in settings().items() if spec.app}
 
 

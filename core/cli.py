@@ -8,13 +8,12 @@ import dataclasses
 import json
 import os
 import sys
-import typing
 from pathlib import Path
 from typing import NoReturn
 
 import transformers
 
-from core.config import GenerationConfig, TriForceError, settings, value_types
+from core.config import GenerationConfig, TriForceError, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
 from core.parallel import TensorParallel, joined, launch
@@ -28,7 +27,7 @@ LEGEND = "green: level-1 draft accepted  cyan: level-1 copy accepted  yellow: le
 
 def add_settings(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One flag per GenerationConfig setting, with its help, choices and default (core.config declares them)."""
-    hints = typing.get_type_hints(GenerationConfig)
+    hints = type_hints()
     for name, (field, spec) in settings().items():
         if not spec.cli or name in skip:
             continue

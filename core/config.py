@@ -4,6 +4,7 @@ panel are built from them), and the errors bad input raises."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -139,7 +140,7 @@ class GenerationConfig:
 
     def validate(self) -> GenerationConfig:
         """Raise TriForceError naming the first bad setting; return self when all are valid."""
-        hints = typing.get_type_hints(GenerationConfig)
+        hints = type_hints()
         for f in dataclasses.fields(self):
             check(f.name, getattr(self, f.name), hints[f.name], f.metadata["setting"])
         if self.budget is not None and self.budget % self.chunk_size:
@@ -160,6 +161,12 @@ class GenerationConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@functools.cache
+def type_hints() -> dict[str, Any]:
+    """GenerationConfig's annotations evaluated once (they are strings here: evaluating them compiles each)."""
+    return typing.get_type_hints(GenerationConfig)
 
 
 def settings() -> dict[str, tuple[dataclasses.Field, Setting]]:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 if TYPE_CHECKING:
     from core.kvcache import KVCache
@@ -59,6 +58,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> t
     if past == 0:
         return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=gqa)[0]
     if q.is_cuda:  # bottom-right causal without a materialised mask: flash / cuDNN / efficient backends
+        from torch.nn.attention.bias import causal_lower_right  # here: importing it loads torch._dynamo (1.7 s)
         bias = causal_lower_right(n, past + n)
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, enable_gqa=gqa)[0]
     mask = torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past)
