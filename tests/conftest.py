@@ -10,7 +10,7 @@ import torch
 from core import Engine
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def pytest_configure() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         share = max(1, torch.get_num_threads() // workers)
