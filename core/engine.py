@@ -168,6 +168,11 @@ class Engine:
             gc.collect()  # caches caught in reference cycles, then their graphs (held by weak reference)
             torch.cuda.empty_cache()
 
+    @property
+    def _kept_cache(self) -> KVCache | None:
+        """The full cache the previous run filled, kept for the next to reuse (or give back before allocating)."""
+        return self._prefilled[1] if self._prefilled else None
+
     def _run(self, prompt, cfg: GenerationConfig, stop: threading.Event | None = None) -> Iterator[Event]:
         """The events of one run; when it ends, the pool keeps only the caches it used."""
         return self.pool.during(self._events(prompt, cfg, stop))
@@ -176,7 +181,7 @@ class Engine:
         ids = prompt.ids
         model = self.target
         capacity = len(ids) + cfg.max_new_tokens + (cfg.gamma2 or 12) + 2
-        kept = self._prefilled[1] if self._prefilled else None
+        kept = self._kept_cache
         held = kept.nbytes if isinstance(kept, OffloadedKVCache) else 0
         placement, cfg = plan(model, self.draft, capacity, len(ids), cfg, self.budget, held)
         cs = cfg.chunk_size
@@ -238,7 +243,7 @@ class Engine:
         of that kind and fits without being more than twice the size (a larger one is given back; page-locking tens of
         GiB takes seconds, so an offloaded one is kept across runs)."""
         a = self.target.args
-        old = self._prefilled[1] if self._prefilled else None
+        old = self._kept_cache
         if old is not None and isinstance(old, OffloadedKVCache) == offloaded and reusable(old.capacity, capacity):
             return old
         self._prefilled = old = None  # freed before the new one is allocated

@@ -133,8 +133,11 @@ def test_the_kept_offloaded_cache_counts_as_available_host_memory(monkeypatch):
     engine = tiny_offload_engine()
     engine.budget = 2 * GiB  # plans as on a GPU: the host memory is checked
     finish(engine, offload="on", max_new_tokens=4)
-    need = engine._prefilled[1].nbytes
-    held = lambda: engine._prefilled[1].nbytes if engine._prefilled else 0  # noqa: E731
+    need = engine._kept_cache.nbytes
+
+    def held() -> int:
+        return engine._kept_cache.nbytes if engine._kept_cache else 0
+
     monkeypatch.setattr("core.placement.host_available", lambda: int(1.5 * need) - held())
     assert finish(engine, offload="on", max_new_tokens=4).stats.offloaded  # reused
     assert finish(engine, offload="on", max_new_tokens=40).stats.offloaded  # larger: the old one given back first
