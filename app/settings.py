@@ -40,7 +40,7 @@ def widget_args(name: str, value: Any = dataclasses.MISSING, note: str = "") -> 
     value = default(name) if value is dataclasses.MISSING else value
     common = {"label": spec.label or name, "info": spec.help + (f" · {note}" if note else ""),
               "elem_id": f"set-{name}"}
-    options = spec.options()
+    options = spec.choices
     if bool in kinds:
         return gr.Checkbox, {"value": bool(value), **common}
     if options is not None and spec.parse is not None:

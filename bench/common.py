@@ -153,7 +153,7 @@ def full_cache(model: Transformer, capacity: int) -> KVCache:
 def draft_level(draft: Transformer, graphs: Graphs | None) -> Level:
     """Level 1 as the paper runs it: a draft model over a StreamingLLM cache of 16 sink + 240 recent tokens."""
     d = draft.args
-    cache = StreamingCache(d.n_layers, d.n_kv_heads, d.head_dim, 16, 240, 16, draft.rotary, draft.dtype, draft.device)
+    cache = StreamingCache(d.n_layers, d.n_kv_heads, d.head_dim, 272, 16, 240, draft.rotary, draft.dtype, draft.device)
     return Level(draft, cache, [], graphs)
 
 

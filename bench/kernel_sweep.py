@@ -10,6 +10,7 @@ import itertools
 import torch
 
 from core import kernels as k
+from core.ops import DECODE_TOKENS
 
 DEV, BF16 = "cuda", torch.bfloat16
 
@@ -67,7 +68,7 @@ def gemv_bandwidth() -> None:
         ws = [torch.randn(n_out, kin, device=DEV, dtype=BF16) for _ in range(copies)]
         for m in (1, 3):
             x = torch.randn(m, kin, device=DEV, dtype=BF16)
-            us = graph_us(lambda i: k.gemv(x, ws[i]), copies)
+            us = graph_us(lambda i: k.gemv(x, ws[i], None, None, DECODE_TOKENS), copies)
             print(f"gemv {n_out}x{kin} m{m}: {us} us = {n_out * kin * 2 / us / 1e6:.2f} TB/s", flush=True)
 
 

@@ -2,8 +2,8 @@
 tests/test_parallel.py, not this script); no file in bench/results comes from it.
 
 The Llama-2-7B shape with random bf16 weights at a ~128K-token random prompt (level 1: a random llama-68m shape,
-whole on every rank), through Engine._run, with the full KV cache on-chip and offloaded: ms/token of AR (greedy) and
-TriForce (greedy, and T 0.6 / top-p 0.9), with acceptances; under TP N also the all-reduce time of one decode step
+whole on every rank), through Engine.generate_ids, with the full KV cache on-chip and offloaded: ms/token of AR
+(greedy) and TriForce (greedy, and T 0.6 / top-p 0.9), with acceptances; under TP N also the all-reduce time of one decode step
 (2 per layer over [rows, dim] bf16: 1 row for AR, γ2 + 1 for a level-3 verification) and, given TP 1's result file,
 the scaling over it. Both runs launch decode steps eagerly (no CUDA graphs: tensor-parallel engines do not capture
 them), so TP 1 and TP N compare like for like.
@@ -28,7 +28,6 @@ from bench.common import LLAMA2_7B, LLAMA_68M, environment, random_model, save, 
 from core import Engine, GenerationConfig
 from core.events import Finished
 from core.parallel import TensorParallel, joined, parallelize
-from core.prompting import Prompt
 
 RUNS = {  # name: settings; the AR runs generate --ar-tokens, the others --new-tokens
     "ar": dict(method="ar", greedy=True),
@@ -59,7 +58,7 @@ def random_engine(context: int, tp: TensorParallel | None) -> Engine:
 
 def generate(engine: Engine, prompt: list[int], cfg: GenerationConfig) -> dict:
     """One generation's figures."""
-    fin = next(e for e in engine._run(Prompt(prompt, len(prompt), 0), cfg.validate()) if isinstance(e, Finished))
+    fin = next(e for e in engine.generate_ids(prompt, cfg) if isinstance(e, Finished))
     s = fin.stats
     return {"ms_per_token": 1e3 / s.tokens_per_s, "new_tokens": s.new_tokens, "prefill_s": s.prefill_s,
             "prefill_reused": s.prefill_reused, "offloaded": s.offloaded,

@@ -43,8 +43,8 @@ def add_settings(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None
             p.add_argument(flag, action="append", default=default, help=spec.help)
         else:
             convert = spec.parse or (float if float in kinds else int if int in kinds else str)
-            choices = None if spec.parse or int in kinds or float in kinds else spec.options()
-            more = f"; choices: {', '.join(spec.options())} or N" if spec.parse else ""
+            choices = None if spec.parse or int in kinds or float in kinds else spec.choices
+            more = f"; choices: {', '.join(spec.choices)} or N" if spec.parse else ""
             p.add_argument(flag, type=convert, default=default, choices=choices,
                            help=f"{spec.help}{more}" + ("" if default is None else f" (default: {default})"))
 

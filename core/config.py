@@ -35,19 +35,11 @@ class UnusableModelError(TriForceError):
     """A model was found but cannot be used: a corrupt file, an unsupported architecture, or its own code to run."""
 
 
-def _drafters() -> tuple[str, ...]:
-    from core.drafters import DRAFTERS
-    return ("auto", *DRAFTERS)
-
-
-def _policies() -> tuple[str, ...]:
-    from core.retrieval import SELECTION_POLICIES
-    return tuple(SELECTION_POLICIES)
-
-
-def _level2_caches() -> tuple[str, ...]:
-    from core.retrieval import LEVEL2_CACHES
-    return tuple(LEVEL2_CACHES)
+# The names the registries hold (core.drafters.DRAFTERS, core.retrieval.SELECTION_POLICIES and LEVEL2_CACHES),
+# spelled here so that this module needs nothing above it; a test checks that the two lists agree.
+DRAFTER_CHOICES = ("auto", "model", "ngram", "none")
+POLICY_CHOICES = ("once", "every_verify")
+LEVEL2_CACHE_CHOICES = ("retrieval", "streaming")
 
 
 def parse_reselect(text: str | int) -> Reselect:
@@ -59,21 +51,18 @@ def parse_reselect(text: str | int) -> Reselect:
 
 @dataclass(frozen=True)
 class Setting:
-    """How one setting is described and bounded: help, label, range, choices (a tuple, or a function giving the
-    registered names), how text becomes a value, the step of its slider, and whether the CLI and app show it."""
+    """How one setting is described and bounded: help, label, range, choices, how text becomes a value, the step of
+    its slider, and whether the CLI and app show it."""
 
     help: str
     label: str = ""
     low: float | None = None
     high: float | None = None
-    choices: tuple | Callable[[], tuple] | None = None
+    choices: tuple[str, ...] | None = None
     parse: Callable[[str], Any] | None = None
     step: float | None = None
     app: bool = True
     cli: bool = True
-
-    def options(self) -> tuple | None:
-        return self.choices() if callable(self.choices) else self.choices
 
 
 def setting(default: Any, help: str, **spec: Any) -> Any:
@@ -99,13 +88,13 @@ class GenerationConfig:
     gamma2: int | None = setting(None, "level-2 tokens per level-3 verification (default 6, or 12 with the full cache "
                                  "offloaded)", label="γ2 (level-2 tokens per level-3 check)", low=1, high=32)
     drafter: str = setting("auto", "level-1 drafter (auto: the draft model if one is loaded, else ngram)",
-                           label="Level-1 drafter", choices=_drafters)
+                           label="Level-1 drafter", choices=DRAFTER_CHOICES)
     reselect: Reselect = setting("once", "when to choose the retrieved chunks again: a policy or every N "
-                                 "verifications", label="Re-select chunks", choices=_policies, parse=parse_reselect,
-                                 low=1)
+                                 "verifications", label="Re-select chunks", choices=POLICY_CHOICES,
+                                 parse=parse_reselect, low=1)
     level2_cache: str = setting("retrieval", "level 2's cache of the prompt at the same budget: the retrieved chunks, "
                                 "or StreamingLLM's first sink_tokens and most recent tokens (the paper's ablation)",
-                                label="Level-2 cache", choices=_level2_caches)
+                                label="Level-2 cache", choices=LEVEL2_CACHE_CHOICES)
     temperature: float = setting(0.6, "sampling temperature (0: greedy)", label="Temperature", low=0.0, high=2.0,
                                  step=0.05)
     top_p: float = setting(0.9, "nucleus sampling mass", label="Top-p", low=0.01, high=1.0, step=0.01)
@@ -156,6 +145,13 @@ class GenerationConfig:
                                    gamma2=self.gamma2 or (12 if offloaded else 6)).validate()
 
     @property
+    def lookahead(self) -> int:
+        """Tokens past the committed sequence a cache may be fed in one round (level 2's draft, level 1's proposals
+        and the token before them, plus one): caches hold the prompt, the answer and this much more. Resolved
+        settings only (γ2 known)."""
+        return self.gamma1 + self.gamma2 + 2
+
+    @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
 
@@ -193,14 +189,14 @@ def check(name: str, value: Any, hint: Any, spec: Setting) -> None:
     if isinstance(value, list) and list in kinds and all(isinstance(v, str) for v in value):
         return
     if isinstance(value, str) and str in kinds:
-        choices = spec.options()
+        choices = spec.choices
         if choices is not None and value not in choices:
             raise TriForceError(f"{name} must be one of {', '.join(map(str, choices))}"
                                 f"{' or a whole number' if int in kinds else ''}, got {value!r}")
         return
     ok_type = isinstance(value, int) if float not in kinds else isinstance(value, (int, float))
     if not number or isinstance(value, bool) or not ok_type:
-        choices = spec.options()
+        choices = spec.choices
         want = "a number" if float in kinds else "a whole number" if int in kinds else \
             "true or false" if bool in kinds else "a list of strings" if list in kinds else \
             f"one of {', '.join(map(str, choices))}" if choices else "a string"

@@ -12,6 +12,7 @@ import torch
 
 from core.kvcache import KVCache
 from core.model import Transformer
+from core.ops import DECODE_TOKENS
 
 
 @dataclass
@@ -34,10 +35,10 @@ class Graphs:
 
     @staticmethod
     def applies(model: Transformer, cache: KVCache, n: int) -> bool:
-        """Whether a step of n tokens on this cache can run as a graph (device-side lengths, no host-dependent RoPE)."""
-        ops = model.ops
-        return ops.device_steps and cache.on_cuda and type(cache).layer is KVCache.layer and \
-            n <= ops.k.MAX_QUERIES and model.rotary.rope_type != "dynamic"
+        """Whether a step of n tokens on this cache can run as a graph: device-side lengths, a cache resident on the
+        device (an offloaded one's copies are scheduled from the host), no host-dependent RoPE."""
+        return model.ops.device_steps and cache.on_cuda and cache.resident and n <= DECODE_TOKENS and \
+            model.rotary.rope_type != "dynamic"
 
     def step(self, model: Transformer, cache: KVCache, ids: list[int], n_rows: int, record: int
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -9,7 +9,7 @@ import torch
 
 from core.config import GenerationConfig, TriForceError
 from core.cuda_graphs import Graphs
-from core.kvcache import CachePool, KVCache, StreamingCache
+from core.kvcache import StreamingCache
 from core.levels import Level
 from core.model import Transformer
 from core.parallel import agree
@@ -33,6 +33,7 @@ class Drafter(Protocol):
 
     name: str
     steps: int  # forwards of a draft model so far
+    level: Level | None  # the draft model with its cache (None: no model drafts)
 
     def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
                 feature: torch.Tensor | None = None) -> Proposal: ...
@@ -41,14 +42,15 @@ class Drafter(Protocol):
 @dataclass
 class DraftContext:
     """What a drafter may use: the draft model (None when none is loaded), the settings, the prompt ids, the
-    target's vocabulary size, the shared generator, and the engine's cache pool and CUDA graphs."""
+    target's vocabulary size, the shared generator, the engine's CUDA graphs, and where the draft model's
+    StreamingLLM cache comes from (core.memory hands it out, asked only by the drafter that needs one)."""
 
     draft: Transformer | None
     cfg: GenerationConfig
     prompt: list[int]
     vocab_size: int
     generator: torch.Generator
-    pool: CachePool | None = None
+    streaming_cache: Callable[[], StreamingCache]
     graphs: Graphs | None = None
 
 
@@ -57,6 +59,7 @@ class NoDrafter:
 
     name = "none"
     steps = 0
+    level = None
 
     def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
                 feature: torch.Tensor | None = None) -> Proposal:
@@ -68,6 +71,7 @@ class NgramDrafter:
 
     name = "ngram"
     steps = 0
+    level = None
 
     def __init__(self, max_n: int):
         self.max_n = max_n
@@ -117,24 +121,7 @@ class ModelDrafter:
     name = "model"
 
     def __init__(self, model: Transformer, cfg: GenerationConfig, prompt: list[int], vocab_size: int,
-                 generator: torch.Generator, pool: CachePool | None = None, graphs: Graphs | None = None):
-        a = model.args
-        slack = cfg.gamma1 + cfg.gamma2 + 8
-
-        def make() -> StreamingCache:
-            return StreamingCache(a.n_layers, a.n_kv_heads, a.head_dim, cfg.sink_tokens, cfg.window_tokens, slack,
-                                  model.rotary, model.dtype, model.device)
-
-        if pool is None:
-            cache = make()
-        else:  # sink and window are sizes, not only a capacity: only an identical cache fits
-            shape = (a.n_layers, a.n_kv_heads, cfg.sink_tokens + cfg.window_tokens + slack, a.head_dim)
-            def kind(c: KVCache) -> bool:
-                return isinstance(c, StreamingCache) and c.rotary is model.rotary
-
-            cache = pool.take(lambda c: kind(c) and tuple(c.k.shape) == shape
-                              and (c.sink, c.window) == (cfg.sink_tokens, cfg.window_tokens), make, kind)
-            cache.reset()
+                 generator: torch.Generator, cache: StreamingCache, graphs: Graphs | None = None):
         self.level = Level(model, cache, [], graphs)
         self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator
         self.repetition = Repetition(cfg, vocab_size, model.device, len(prompt))  # q nearer the target's penalised p
@@ -183,7 +170,7 @@ class ModelDrafter:
     def create(cls, ctx: DraftContext) -> "ModelDrafter":
         if ctx.draft is None:
             raise TriForceError("drafter 'model' needs a draft model; load one or pick 'ngram' or 'none'")
-        return cls(ctx.draft, ctx.cfg, ctx.prompt, ctx.vocab_size, ctx.generator, ctx.pool, ctx.graphs)
+        return cls(ctx.draft, ctx.cfg, ctx.prompt, ctx.vocab_size, ctx.generator, ctx.streaming_cache(), ctx.graphs)
 
     @property
     def steps(self) -> int:

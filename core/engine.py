@@ -7,34 +7,32 @@ import platform
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 import transformers
 
-from core.autoregressive import autoregressive
-from core.config import GenerationConfig
+from core.autoregressive import Autoregressive
+from core.config import GenerationConfig, TriForceError
 from core.cuda_graphs import Graphs
-from core.drafters import DraftContext, Drafter, ModelDrafter, make_drafter
-from core.events import Acceptance, Event, Finished, Loading, PrefillProgress, PromptReady, Stats
-from core.kvcache import CachePool, KVCache, reusable
+from core.drafters import DraftContext, Drafter, make_drafter
+from core.events import Event, Finished, Footprint, Loading, PrefillProgress, PromptReady, Stats
 from core.levels import Level, Stopped
 from core.loading import default_draft, device_and_dtype, load_draft, load_model
+from core.memory import GiB, Memory, Plan, Prefilled, device_limit
 from core.model import Transformer
-from core.offload import OffloadedKVCache
 from core.output import Output
 from core.parallel import TensorParallel, parallelize
-from core.placement import GiB, device_budget, plan
-from core.prompting import build_prompt, plain_ids
+from core.prompting import Prompt, build_prompt, plain_ids
 from core.samples import warm_up_text
 from core.triforce import TriForce
 
 _LOADED: dict[tuple, "Engine"] = {}
 
 
-def default_prefill_chunk(model: Transformer, budget: int | None = None) -> int:
+def default_prefill_chunk(model: Transformer, limit: int | None = None) -> int:
     """Tokens per prefill forward: 2048 on a CPU (a progress event each); on a GPU as many as half the free memory
-    (within `budget` bytes for this process, if given) holds the activations of (a long prompt in one forward: plain
+    (within `limit` bytes for this process, if given) holds the activations of (a long prompt in one forward: plain
     causal attention is the fastest there)."""
     if model.device.type != "cuda":
         return 2048
@@ -42,17 +40,18 @@ def default_prefill_chunk(model: Transformer, budget: int | None = None) -> int:
     width = 4 * a.dim + (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + 4 * a.intermediate_size
     per_token = model.dtype.itemsize * width
     free, _ = torch.cuda.mem_get_info(model.device)
-    if budget is not None:
-        free = min(free, budget - torch.cuda.memory_reserved(model.device))
+    if limit is not None:
+        free = min(free, limit - torch.cuda.memory_reserved(model.device))
     return max(2048, free // 2 // per_token)
 
 
-def step_weight_bytes(model: Transformer) -> int:
-    """Bytes of the weights one decode forward reads: every parameter but the embedding table (of which it reads a
-    row a token), unless that table is also the LM head."""
-    embedding = model.embed_tokens.weight
-    total = sum(p.nbytes for p in model.parameters())
-    return total if model.lm_head.weight is embedding else total - embedding.nbytes
+class Decoder(Protocol):
+    """A decoding method over a prefilled target level: its events until the answer is done, then what it adds to
+    the run's figures."""
+
+    def run(self) -> Iterator[Event]: ...
+
+    def footprint(self) -> Footprint: ...
 
 
 @dataclass
@@ -66,10 +65,12 @@ class Engine:
     draft_name: str | None = None
     context_length: int = 0
     info: dict = field(default_factory=dict)
-    _prefilled: tuple | None = None  # (prompt ids, full cache, its last prefill queries): reused by the next run
-    pool: CachePool = field(default_factory=CachePool)  # retrieval/draft caches (and their CUDA graphs) kept
+    memory: Memory | None = None  # the runs' caches (None: a new Memory with no device limit, as on a CPU)
     graphs: Graphs | None = None  # CUDA graphs of decode steps (None: launched eagerly)
-    budget: int | None = None  # device memory bytes a run may plan on (None: a CPU)
+
+    def __post_init__(self):
+        if self.memory is None:
+            self.memory = Memory(self.target, self.draft, None)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, device: str | None = None,
@@ -116,13 +117,13 @@ class Engine:
         if model.args.attention_window:  # within the window full attention is exact; beyond it would not be
             ctx = min(ctx, model.args.attention_window)
         dev = model.device
-        engine = cls(model, tokenizer, name, draft, draft_name, ctx,
-                     graphs=Graphs() if cuda_graphs and dev.type == "cuda" else None,
-                     budget=device_budget(dev, gpu_memory_gib))
+        limit = device_limit(dev, gpu_memory_gib)
+        engine = cls(model, tokenizer, name, draft, draft_name, ctx, memory=Memory(model, draft, limit),
+                     graphs=Graphs() if cuda_graphs and dev.type == "cuda" else None)
         engine.info = {
             "target": name, "draft": draft_name, "device": str(dev), "dtype": str(model.dtype).removeprefix("torch."),
             "context_length": ctx, "attention_window": model.args.attention_window,
-            "gpu_memory_budget_gib": engine.budget / GiB if engine.budget else None,
+            "gpu_memory_limit_gib": limit / GiB if limit else None,
             "target_params": sum(p.numel() for p in model.parameters()),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__},
@@ -133,10 +134,11 @@ class Engine:
         """Tokens of user text, tokenised as a prompt holds it (special-token strings as plain text)."""
         return len(plain_ids(self.tokenizer, text))
 
-    def drafter(self, cfg: GenerationConfig, prompt: list[int], generator: torch.Generator) -> Drafter:
-        """The level-1 drafter cfg.drafter names, for this prompt."""
-        return make_drafter(cfg.drafter, DraftContext(self.draft, cfg, prompt, self.target.args.vocab_size,
-                                                      generator, self.pool, self.graphs))
+    def drafter(self, plan: Plan, prompt: list[int], generator: torch.Generator) -> Drafter:
+        """The level-1 drafter the plan's settings name, for this prompt."""
+        return make_drafter(plan.cfg.drafter, DraftContext(
+            self.draft, plan.cfg, prompt, self.target.args.vocab_size, generator,
+            lambda: self.memory.streaming_cache(plan, self.draft), self.graphs))
 
     def generate(self, document: str, instruction: str, config: GenerationConfig | None = None,
                  stop: threading.Event | None = None) -> Iterator[Event]:
@@ -146,7 +148,20 @@ class Engine:
         cfg = (config or GenerationConfig()).validate()
         prompt = build_prompt(self.tokenizer, document, instruction, self.context_length, cfg.max_new_tokens,
                               cfg.overflow)
-        return self._run(prompt, cfg, stop)
+        return self.memory.during(self._events(prompt, cfg, stop))
+
+    def generate_ids(self, ids: list[int], config: GenerationConfig | None = None,
+                     stop: threading.Event | None = None) -> Iterator[Event]:
+        """Events of one generation continuing the token ids `ids` as they are (no chat template, no truncation):
+        what `generate` runs once it has built its prompt."""
+        cfg = (config or GenerationConfig()).validate()
+        vocab = self.target.args.vocab_size
+        if not ids or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+            raise TriForceError(f"the prompt must be a non-empty list of token ids below {vocab}")
+        if len(ids) + cfg.max_new_tokens > self.context_length:
+            raise TriForceError(f"{len(ids)} prompt tokens and {cfg.max_new_tokens} new ones exceed the "
+                                f"{self.context_length}-token context")
+        return self.memory.during(self._events(Prompt(list(ids), len(ids), 0), cfg, stop))
 
     def warm_up(self, new_tokens: int = 128) -> list[Stats]:
         """Run AR, greedy TriForce and sampled TriForce once on a short sample text, so that the kernels a GPU compiles
@@ -162,35 +177,21 @@ class Engine:
     def release(self) -> None:
         """Give back the caches kept for a next run to reuse, and on a GPU the memory they (and the CUDA graphs
         captured on them) held: after a warm-up on a prompt unlike the next, that memory is better free."""
-        self._prefilled = None
-        self.pool.clear()
+        self.memory.release()
         if self.target.device.type == "cuda":
             gc.collect()  # caches caught in reference cycles, then their graphs (held by weak reference)
             torch.cuda.empty_cache()
 
-    @property
-    def _kept_cache(self) -> KVCache | None:
-        """The full cache the previous run filled, kept for the next to reuse (or give back before allocating)."""
-        return self._prefilled[1] if self._prefilled else None
-
-    def _run(self, prompt, cfg: GenerationConfig, stop: threading.Event | None = None) -> Iterator[Event]:
-        """The events of one run; when it ends, the pool keeps only the caches it used."""
-        return self.pool.during(self._events(prompt, cfg, stop))
-
-    def _events(self, prompt, cfg: GenerationConfig, stop: threading.Event | None) -> Iterator[Event]:
-        ids = prompt.ids
-        model = self.target
-        capacity = len(ids) + cfg.max_new_tokens + (cfg.gamma2 or 12) + 2
-        kept = self._kept_cache
-        held = kept.nbytes if isinstance(kept, OffloadedKVCache) else 0
-        placement, cfg = plan(model, self.draft, capacity, len(ids), cfg, self.budget, held)
-        cs = cfg.chunk_size
+    def _events(self, prompt: Prompt, cfg: GenerationConfig, stop: threading.Event | None) -> Iterator[Event]:
+        """One run: plan its memory, prefill the full cache, decode, then the figures."""
+        ids, model = prompt.ids, self.target
+        plan = self.memory.plan(len(ids), cfg)
+        cfg, cs = plan.cfg, plan.cfg.chunk_size
         yield PromptReady(len(ids), prompt.document_tokens, prompt.dropped_tokens, self.context_length,
                           cfg.max_new_tokens, cs,
                           [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)],
-                          placement.offloaded, placement.describe())
-        target = Level(model, self._full_cache(capacity, cfg, placement.offloaded), [], self.graphs)
-        generator = torch.Generator(model.device).manual_seed(cfg.seed)
+                          plan.placement.offloaded, plan.placement.describe())
+        target = Level(model, self.memory.full_cache(plan), [], self.graphs)
         t0 = time.perf_counter()
         try:
             for progress in self._prefill(target, ids, cfg, t0, stop):
@@ -200,69 +201,48 @@ class Engine:
                 torch.cuda.synchronize(model.device)
             return
         out = Output(self.tokenizer, cfg, model.eos_ids)
-        run = None
-        if cfg.method == "ar":
-            loop = autoregressive(target, ids, cfg, generator, out)
-        else:
-            drafter = self.drafter(cfg, ids, generator)
-            index_device = model.device if placement.index_on_device else torch.device("cpu")
-            run = TriForce(target, ids, self._prefilled[2], drafter, cfg, generator, out, self.pool, self.graphs,
-                           index_device)
-            loop = run.run()
+        generator = torch.Generator(model.device).manual_seed(cfg.seed)
+        decoder = self._decoder(plan, target, ids, generator, out)
         prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        forwards_before = target.forwards
-        moved_before = getattr(target.cache, "moved", 0)
-        captured_before = self.graphs.capture_s if self.graphs else 0.0
-        yield from loop
-        warmup_s = (self.graphs.capture_s if self.graphs else 0.0) - captured_before
+        forwards, moved = target.forwards, target.cache.moved
+        captured = self.graphs.capture_s if self.graphs else 0.0
+        yield from decoder.run()
+        warmup_s = (self.graphs.capture_s if self.graphs else 0.0) - captured
         decode_s = time.perf_counter() - t1 - warmup_s  # capturing graphs (first use of a shape) is not decoding
-        n = len(out.ids)
-        forwards = target.forwards - forwards_before
-        counts = run.counts if run else Acceptance()
-        draft = run.drafter.level if run and isinstance(run.drafter, ModelDrafter) else None
-        stats = Stats(
-            method=cfg.method, new_tokens=n, prompt_tokens=len(ids), dropped_tokens=prompt.dropped_tokens,
-            prefill_s=prefill_s, prefill_reused=progress.reused, decode_s=decode_s, warmup_s=warmup_s,
-            tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
+        n, forwards = len(out.ids), target.forwards - forwards
+        stats = Stats.of(
+            decoder.footprint(), method=cfg.method, new_tokens=n, prompt_tokens=len(ids),
+            dropped_tokens=prompt.dropped_tokens, prefill_s=prefill_s, prefill_reused=progress.reused,
+            decode_s=decode_s, warmup_s=warmup_s, tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
             time_to_first_token_s=(out.first_token_at or t1) - t0, target_forwards=forwards,
-            tokens_per_target_forward=n / forwards if forwards else 0.0,
-            level1_steps=run.drafter.steps if run else 0, drafter=run.drafter.name if run else "",
-            level1_proposed=counts.level1_proposed, level1_accepted=counts.level1_accepted,
-            level2_proposed=counts.level2_proposed, level2_accepted=counts.level2_accepted,
-            cache_bytes=target.cache.nbytes, retrieval_cache_bytes=run.retrieval.cache.nbytes if run else 0,
-            level1_cache_bytes=draft.cache.nbytes if draft else 0, target_weight_bytes=step_weight_bytes(model),
-            level1_weight_bytes=step_weight_bytes(draft.model) if draft else 0,
-            stop_reason=out.stop_reason, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-            settings=cfg.to_dict(), offloaded=placement.offloaded,
-            host_link_bytes=getattr(target.cache, "moved", 0) - moved_before)
+            tokens_per_target_forward=n / forwards if forwards else 0.0, cache_bytes=target.cache.nbytes,
+            target_weight_bytes=model.step_weight_bytes(), stop_reason=out.stop_reason, device=str(model.device),
+            dtype=str(model.dtype).removeprefix("torch."), settings=cfg.to_dict(), offloaded=plan.placement.offloaded,
+            host_link_bytes=target.cache.moved - moved)
         yield Finished(out.text, out.ids, ids, stats)
 
-    def _full_cache(self, capacity: int, cfg: GenerationConfig, offloaded: bool) -> KVCache:
-        """A full cache with room for `capacity` tokens, in CPU memory when `offloaded`; the previous run's when it is
-        of that kind and fits without being more than twice the size (a larger one is given back; page-locking tens of
-        GiB takes seconds, so an offloaded one is kept across runs)."""
-        a = self.target.args
-        old = self._kept_cache
-        if old is not None and isinstance(old, OffloadedKVCache) == offloaded and reusable(old.capacity, capacity):
-            return old
-        self._prefilled = old = None  # freed before the new one is allocated
-        make = OffloadedKVCache if offloaded else KVCache
-        return make(a.n_layers, a.n_kv_heads, a.head_dim, capacity, self.target.dtype, self.target.device)
+    def _decoder(self, plan: Plan, target: Level, ids: list[int], generator: torch.Generator, out: Output
+                 ) -> Decoder:
+        """The decoding method the plan's settings name, over the prefilled target level."""
+        cfg = plan.cfg
+        if cfg.method == "ar":
+            return Autoregressive(target, ids, cfg, generator, out)
+        return TriForce(target, ids, self.memory.kept.queries, self.drafter(plan, ids, generator), cfg, generator,
+                        out, self.memory.retrieval_cache(plan), self.graphs, self.memory.index_device(plan))
 
     def _prefill(self, target: Level, ids: list[int], cfg: GenerationConfig, t0: float,
-                 stop: threading.Event | None = None) -> Iterator[Event]:
+                 stop: threading.Event | None = None) -> Iterator[PrefillProgress]:
         """Fill the full cache with ids[:-1] in chunks, recording the last row's queries (retrieval's first
         selection); the same prompt as the previous run's reuses its cache."""
         full, body = target.cache, ids[:-1]
-        if self._prefilled and self._prefilled[1] is full and self._prefilled[0] == ids:
+        if self.memory.prefilled(ids, full):
             full.truncate(len(body))
             target.tokens = list(body)
             yield PrefillProgress(len(body), len(body), time.perf_counter() - t0, full.nbytes, reused=True)
             return
-        self._prefilled = None
         full.truncate(0)
-        chunk = cfg.prefill_chunk or default_prefill_chunk(self.target, self.budget)
+        chunk = cfg.prefill_chunk or default_prefill_chunk(self.target, self.memory.limit)
         for done in target.prefill(body, chunk, record=1, stop=stop):
             yield PrefillProgress(done, len(body), time.perf_counter() - t0, full.nbytes)
-        self._prefilled = (list(ids), full, target.queries)
+        self.memory.kept = Prefilled(list(ids), full, target.queries)

@@ -133,6 +133,19 @@ class Acceptance:
         return self.level2_accepted / self.level2_proposed if self.level2_proposed else 0.0
 
 
+@dataclass
+class Footprint:
+    """What a decoding method adds to its run's figures: acceptance counts, its level-1 drafter and that drafter's
+    forwards, and the bytes of the caches and draft weights it used beside the full cache and the target."""
+
+    counts: Acceptance = field(default_factory=Acceptance)
+    drafter: str = ""
+    level1_steps: int = 0
+    retrieval_cache_bytes: int = 0
+    level1_cache_bytes: int = 0
+    level1_weight_bytes: int = 0
+
+
 @dataclass(kw_only=True)
 class Stats(Acceptance):
     """Figures of a finished generation."""
@@ -162,6 +175,12 @@ class Stats(Acceptance):
     warmup_s: float = 0.0  # capturing CUDA graphs and compiling kernels for shapes first seen in this run
     offloaded: bool = False
     host_link_bytes: int = 0  # bytes copied between CPU and GPU memory while decoding (offloaded full cache)
+
+    @classmethod
+    def of(cls, footprint: Footprint, **figures) -> "Stats":
+        """A run's stats: the decoding method's footprint and the engine's own figures."""
+        parts = {k: v for k, v in vars(footprint).items() if k != "counts"}
+        return cls(**asdict(footprint.counts), **parts, **figures)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "level1_acceptance": self.level1_acceptance,

@@ -1,16 +1,14 @@
-"""Triton kernels for CUDA decoding: split-K (flash-decoding) attention over a static cache read in place, RMSNorm
-and RoPE in one launch each. Imported lazily (see core.model.gpu_kernels): CPU machines never need Triton."""
+"""Triton kernels for CUDA decoding: split-K (flash-decoding) attention over a static cache read in place, a GEMV
+for the few rows of a decode step, RMSNorm, RoPE (+ cache store), SwiGLU and the chunk gather, in one launch each.
+Imported lazily by core.ops.ops_for: CPU machines never need Triton."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 import triton.testing
 
-MAX_QUERIES = 16  # decode steps feed at most this many tokens; longer runs (prefill) use SDPA
 BLOCK_N = 64
 TARGET_PROGRAMS = 2 * 132  # two per SM of an H100/H200: more, shorter splits measured slower (bench.kernel_sweep)
 
@@ -255,20 +253,19 @@ def _graph_bench(fn, quantiles=None):
 # tuned once per weight shape: every m <= BLOCK_M rows is one block of the same work, so the best launch does not
 # depend on m (keyed on it, each new step size met mid-run would pay a tuning of every projection)
 _gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K"], restore_value=["Y"], do_bench=_graph_bench)(_gemv_kernel)
-GEMV_ROWS = MAX_QUERIES  # decode steps; longer inputs (prefill) go to cuBLAS
-USE_GEMV = os.environ.get("TRIFORCE_GEMV", "1") != "0"  # benchmarks compare it with cuBLAS
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         add_to: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, K] @ weight[N, K].T (+ bias) for m <= GEMV_ROWS, as one kernel; with `add_to` [m, N] the result is
-    added to it in place and returned (a residual connection without a separate add or split-K reduction)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add_to: torch.Tensor | None,
+         rows: int) -> torch.Tensor:
+    """x [m, K] @ weight[N, K].T (+ bias) for m <= rows (the block of rows every launch computes), as one kernel;
+    with `add_to` [m, N] the result is added to it in place and returned (a residual connection without a separate
+    add or split-K reduction)."""
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
     y = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=add_to is not None, BLOCK_M=GEMV_ROWS)
+    flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=add_to is not None, BLOCK_M=rows)
     _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     return y
 

@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterator, TypeVar
+from typing import Iterator
 
 import torch
 
 from core.model import Rotary
 from core.ops import DECODE_TOKENS, rotate
-
-T = TypeVar("T")
-
-
-def reusable(capacity: int, need: int) -> bool:
-    """Whether a cache of `capacity` slots may serve a run needing `need`: it fits, and holds at most twice that."""
-    return need <= capacity <= 2 * need
-
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """An uninitialised host tensor, page-locked when `pin` (registered at its exact size: the caching pinned
@@ -38,6 +30,9 @@ class KVCache:
     Slots [0, head) hold a fixed set of already-rotated keys (the retrieved part of a prompt; empty for a full
     cache); slots [head, used) hold consecutive sequence positions from `start`.
     """
+
+    resident = True  # the storage is where the model computes (an offloaded cache streams it there layer by layer)
+    moved = 0  # bytes copied between host and device memory so far (an offloaded cache's host-link load)
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str, head: int = 0, start: int = 0):
@@ -127,12 +122,13 @@ class KVCache:
 
 
 class StreamingCache(KVCache):
-    """StreamingLLM: `sink` first tokens + the most recent `window`; positions are slots, so evicting re-rotates
+    """StreamingLLM: `sink` first tokens + the most recent `window` in `capacity` slots (what is over sink + window
+    is room for new tokens before the oldest recent ones are evicted); positions are slots, so evicting re-rotates
     the kept recent keys (RoPE of p - e equals RoPE of p rotated by -e)."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, sink: int, window: int, slack: int,
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, sink: int, window: int,
                  rotary: Rotary, dtype: torch.dtype, device: torch.device | str):
-        super().__init__(n_layers, n_kv_heads, head_dim, sink + window + slack, dtype, device)
+        super().__init__(n_layers, n_kv_heads, head_dim, capacity, dtype, device)
         self.sink, self.window, self.rotary = sink, window, rotary
         self._seq_len = 0
 
@@ -146,7 +142,9 @@ class StreamingCache(KVCache):
 
     def truncate(self, seq_len: int) -> None:
         drop = self._seq_len - seq_len
-        if not 0 <= drop <= self.used - self.sink:
+        # the stored tokens are consecutive unless some were evicted or skipped: then only the recent ones can go
+        droppable = self.used if self._seq_len == self.used else self.used - self.sink
+        if not 0 <= drop <= droppable:
             raise ValueError(f"cannot truncate streaming cache to {seq_len}")
         self.used -= drop
         self._seq_len = seq_len
@@ -180,47 +178,3 @@ class StreamingCache(KVCache):
         self.k[:, :, s:u - e] = rotate(self.k[:, :, s + e:u].clone(), cos, sin)
         self.v[:, :, s:u - e] = self.v[:, :, s + e:u].clone()
         self.used -= e
-
-
-class CachePool:
-    """Static caches kept for later generations of one engine, so that the CUDA graphs captured on them are reused;
-    it keeps at most the caches the last generation used."""
-
-    def __init__(self):
-        self.caches: list[KVCache] = []
-        self.taken: set[int] = set()
-
-    def release(self) -> None:
-        """A new generation starts: every cache is free again."""
-        self.taken.clear()
-
-    def clear(self) -> None:
-        """Give every cache back."""
-        self.caches, self.taken = [], set()
-
-    def trim(self) -> None:
-        """A generation ended: free the caches it did not use (their memory is given back), keep the others."""
-        self.caches = [c for c in self.caches if id(c) in self.taken]
-        self.taken.clear()
-
-    def during(self, events: Iterator[T]) -> Iterator[T]:
-        """The events of one generation, every cache free at its start and the pool trimmed when it ends (finished,
-        failed or closed)."""
-        self.release()
-        try:
-            yield from events
-        finally:
-            self.trim()
-
-    def take(self, fits: Callable[[KVCache], bool], make: Callable[[], KVCache],
-             kind: Callable[[KVCache], bool] | None = None) -> KVCache:
-        """A free cache that `fits`, else a new one from make(); free caches of the same `kind` (a run takes one of
-        each kind) are given back first, so that an old and a new cache never hold memory at once."""
-        c = next((c for c in self.caches if id(c) not in self.taken and fits(c)), None)
-        if c is None:
-            if kind is not None:
-                self.caches = [c for c in self.caches if id(c) in self.taken or not kind(c)]
-            c = make()
-            self.caches.append(c)
-        self.taken.add(id(c))
-        return c

@@ -7,7 +7,7 @@ context, a retrieved subset, or a StreamingLLM window; core.ops chooses the oper
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,28 +16,9 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from core.config import UnusableModelError
-from core.ops import TORCH, TorchOps, ops_for
+from core.ops import TORCH, AttentionCache, TorchOps, ops_for
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-class AttentionCache(Protocol):
-    """What the model needs from a cache: host bookkeeping for n new tokens (begin), their positions as a device
-    tensor, each layer's key/value buffers [Hkv, capacity, D] (slots [0, used) hold the past, the new tokens go
-    next), a hook after each layer attended, and end. Everything after begin is device work (CUDA-graph safe)."""
-
-    used: int
-    meta: torch.Tensor  # on CUDA: [first position, first slot] of the new tokens, read by the decode kernels
-
-    def begin(self, n: int) -> None: ...
-
-    def positions(self) -> torch.Tensor: ...
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def attended(self, i: int) -> None: ...
-
-    def end(self) -> None: ...
 
 
 @dataclass
@@ -331,6 +312,13 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, step, i, TORCH)
         return self.norm(x, TORCH)
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of the weights one decode forward reads: every parameter but the embedding table (of which it reads
+        a row a token), unless that table is also the LM head."""
+        embedding = self.embed_tokens.weight
+        total = sum(p.nbytes for p in self.parameters())
+        return total if self.lm_head.weight is embedding else total - embedding.nbytes
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of normed hidden states."""

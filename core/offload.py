@@ -20,6 +20,8 @@ class OffloadedKVCache(KVCache):
     """A KVCache whose storage [layers, Hkv, capacity, D] lives in host memory; `layer(i)` hands the model a staged
     device copy of layer i, prefetched while earlier layers compute."""
 
+    resident = False
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str, buffers: int = 2):
         super().__init__(n_layers, n_kv_heads, head_dim, capacity, dtype, device)

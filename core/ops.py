@@ -7,15 +7,31 @@ from __future__ import annotations
 import functools
 import os
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from core.kvcache import KVCache
-
 DECODE_TOKENS = 16  # a forward of at most this many new tokens is a decode step (folded / device-side attention)
+
+
+class AttentionCache(Protocol):
+    """What the model needs from a cache: host bookkeeping for n new tokens (begin), their positions as a device
+    tensor, each layer's key/value buffers [Hkv, capacity, D] (slots [0, used) hold the past, the new tokens go
+    next), a hook after each layer attended, and end. Everything after begin is device work (CUDA-graph safe)."""
+
+    used: int
+    meta: torch.Tensor  # on CUDA: [first position, first slot] of the new tokens, read by the decode kernels
+
+    def begin(self, n: int) -> None: ...
+
+    def positions(self) -> torch.Tensor: ...
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attended(self, i: int) -> None: ...
+
+    def end(self) -> None: ...
 
 
 @functools.cache
@@ -96,7 +112,7 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attend(self, cache: AttentionCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q, k [n, heads, D], store k and v in the cache's layer at its next slots, attend causally over the
         layer's stored keys. Returns the output and the rotated queries, both [Hq, n, D]."""
@@ -133,7 +149,7 @@ class TritonOps(TorchOps):
         self.gemv = gemv  # False: cuBLAS projections (TRIFORCE_GEMV=0), to compare
 
     def _gemv(self, x: torch.Tensor) -> bool:
-        return self.gemv and x.dim() == 2 and x.shape[0] <= self.k.GEMV_ROWS
+        return self.gemv and x.dim() == 2 and x.shape[0] <= DECODE_TOKENS
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.k.rms_norm(x, weight, eps)
@@ -142,22 +158,22 @@ class TritonOps(TorchOps):
         return self.k.rope(x, cos, sin) if x.dim() == 3 else super().rope_heads(x, cos, sin)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.k.gemv(x, weight, bias) if self._gemv(x) else F.linear(x, weight, bias)
+        return self.k.gemv(x, weight, bias, None, DECODE_TOKENS) if self._gemv(x) else F.linear(x, weight, bias)
 
     def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._gemv(x):
-            return self.k.gemv(x, weight, bias, add_to=residual)
+            return self.k.gemv(x, weight, bias, residual, DECODE_TOKENS)
         return super().linear_add(residual, x, weight, bias)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k.silu_mul(gate_up) if gate_up.dim() == 2 else super().silu_mul(gate_up)
 
-    def attend(self, cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attend(self, cache: AttentionCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step: one kernel rotates q and k and stores k, v at the slots in cache.meta; split-K attention
         reads the layer in place. Longer inputs: the PyTorch path."""
-        if q.shape[0] > self.k.MAX_QUERIES:
+        if q.shape[0] > DECODE_TOKENS:
             return super().attend(cache, layer, q, k, v, cos, sin)
         keys, values = cache.layer(layer)
         q = self.k.rope_store(q, k, v, cos, sin, keys, values, cache.meta)

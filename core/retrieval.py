@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
+from core.config import GenerationConfig
 from core.events import RetrievalSelection
-from core.kvcache import CachePool, KVCache, pinned_empty, reusable
+from core.kvcache import KVCache, pinned_empty
 from core.levels import Level, common_prefix
 from core.ops import TORCH, TorchOps
-
-if TYPE_CHECKING:
-    from core.config import GenerationConfig
 
 
 @dataclass
@@ -113,7 +111,7 @@ def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, 
     cs = index.chunk_size
     n = chunk_ids.shape[-1] * cs
     tail = slice(index.length - index.tail, index.length)
-    if type(full).stream_layers is KVCache.stream_layers:  # the whole cache is on the device: one launch
+    if full.resident:  # the whole cache is on the device: one launch
         ops.gather_chunks(full.k[:, :, :index.length], full.v[:, :, :index.length], chunk_ids, cs, into.k, into.v)
         into.k[:, :, n:n + index.tail] = full.k[:, :, tail]
         into.v[:, :, n:n + index.tail] = full.v[:, :, tail]
@@ -124,26 +122,12 @@ def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, 
         into.v[i, :, n:n + index.tail] = v[:, tail]
 
 
-def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int, pool: CachePool | None = None
-                    ) -> KVCache:
-    """An empty retrieval cache for the chunks `budget` buys of this prompt (+ tail) and `extra` later tokens (from
-    `pool` when a cache of about that size is free; a new one's capacity also covers any tail, so that it serves
-    later prompts with the same budget)."""
-    kept = chunks_to_keep(index, budget) * index.chunk_size
-    head = kept + index.tail
+def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int) -> KVCache:
+    """A new retrieval cache with exactly the room for the chunks `budget` buys of this prompt (+ tail) and `extra`
+    later tokens (a run's own comes from core.memory, sized to serve later prompts too)."""
+    head = chunks_to_keep(index, budget) * index.chunk_size + index.tail
     n_layers, n_kv, _, d = full.k.shape
-    if pool is None:
-        return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.device, head=head, start=index.length)
-    need = kept + index.chunk_size + extra
-
-    def kind(c: KVCache) -> bool:
-        return (type(c) is KVCache and c.k.shape[:2] == (n_layers, n_kv) and c.k.shape[3] == d
-                and c.k.dtype == full.k.dtype)
-
-    cache = pool.take(lambda c: kind(c) and reusable(c.capacity, need),
-                      lambda: KVCache(n_layers, n_kv, d, need, full.k.dtype, full.device), kind)
-    cache.reset(head, index.length)
-    return cache
+    return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.device, head=head, start=index.length)
 
 
 class SelectionPolicy(Protocol):
@@ -186,17 +170,18 @@ def selection_policy(reselect: str | int) -> SelectionPolicy:
 
 
 class Retrieval:
-    """Level 2's cache: the selected prompt chunks plus every later token, re-selected by policy."""
+    """Level 2's cache: the selected prompt chunks plus every later token, re-selected by policy. `cache`: where
+    they go (emptied here; room for the chunks the budget buys, a partial last chunk and the tokens after the
+    prompt); `index_device`: where the chunk index is kept (default: the full cache's compute device)."""
 
-    def __init__(self, full: KVCache, cfg: GenerationConfig, ops: TorchOps = TORCH, pool: CachePool | None = None,
+    def __init__(self, full: KVCache, cfg: GenerationConfig, cache: KVCache, ops: TorchOps = TORCH,
                  index_device: torch.device | None = None):
-        self.full, self.cfg, self.ops = full, cfg, ops
+        self.full, self.cfg, self.ops, self.cache = full, cfg, ops, cache
         self.policy = selection_policy(cfg.reselect)
         self.selector = LEVEL2_CACHES[cfg.level2_cache](cfg)
         self.index = ChunkIndex.build(full, full.seq_len, cfg.chunk_size, index_device)
         self.n_select = chunks_to_keep(self.index, cfg.budget)
-        self.cache = retrieval_cache(full, self.index, cfg.budget, cfg.max_new_tokens + cfg.gamma1 + cfg.gamma2 + 2,
-                                     pool)
+        cache.reset(self.n_select * cfg.chunk_size + self.index.tail, self.index.length)
         self.synced = full.seq_len  # positions below this hold the full cache's keys/values
 
     def select(self, queries: list[torch.Tensor], row: int, round_: int, position: int) -> RetrievalSelection:

@@ -12,8 +12,8 @@ import torch
 from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.drafters import Drafter
-from core.events import Acceptance, DraftProposal, Event, Provenance, StepTiming, Verdict
-from core.kvcache import CachePool
+from core.events import Acceptance, DraftProposal, Event, Footprint, Provenance, StepTiming, Verdict
+from core.kvcache import KVCache
 from core.levels import Level
 from core.output import Output
 from core.repetition import Repetition
@@ -36,15 +36,16 @@ class Draft:
 class TriForce:
     """One generation: rounds of level-3 verification until `out` says stop. The target level's full cache must
     hold prompt[:-1]; `queries` are the ones its prefill recorded for the last prompt row (the first selection);
-    `index_device`: where the chunk index is kept (default: the model's device)."""
+    `retrieval_cache`: where level 2's cache goes (core.memory sizes it); `index_device`: where the chunk index is
+    kept (default: the model's device)."""
 
     def __init__(self, target: Level, prompt: list[int], queries: list[torch.Tensor], drafter: Drafter,
-                 cfg: GenerationConfig, generator: torch.Generator, out: Output, pool: CachePool | None = None,
+                 cfg: GenerationConfig, generator: torch.Generator, out: Output, retrieval_cache: KVCache,
                  graphs: Graphs | None = None, index_device: torch.device | None = None):
         self.target, self.prompt, self.queries, self.drafter = target, prompt, queries, drafter
         self.cfg, self.generator, self.out = cfg, generator, out
         model = target.model
-        self.retrieval = Retrieval(target.cache, cfg, model.ops, pool, index_device)
+        self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs)
         self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
         self.counts = Acceptance()
@@ -83,6 +84,12 @@ class TriForce:
             yield StepTiming(round_, draft.level1_s * 1e3, draft.level2_s * 1e3, (level3_s + sync_s) * 1e3,
                              selection_s * 1e3, accepted + 1)
             round_ += 1
+
+    def footprint(self) -> Footprint:
+        """Acceptance at both levels, the drafter and its forwards, the retrieval and level-1 caches' bytes."""
+        level1 = self.drafter.level
+        return Footprint(self.counts, self.drafter.name, self.drafter.steps, self.retrieval.cache.nbytes,
+                         level1.cache.nbytes if level1 else 0, level1.model.step_weight_bytes() if level1 else 0)
 
     def draft_level2(self, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
                      ) -> Generator[Event, None, Draft]:

@@ -12,9 +12,7 @@ from core.config import GenerationConfig
 from core.engine import Engine
 from core.events import Finished, PrefillProgress, Tokens
 from core.kvcache import KVCache
-from core.prompting import Prompt
-from tests.test_lossless import DigitTokenizer
-from tests.tiny import tiny_config, tiny_pair
+from tests.tiny import DigitTokenizer, tiny_config, tiny_pair
 
 VOCAB = 32
 CFG = dict(method="triforce", max_new_tokens=4, chunk_size=4, gamma1=2, gamma2=3, drafter="model", greedy=True,
@@ -29,14 +27,13 @@ def tiny_engine() -> Engine:
                   1024)
 
 
-def prompt(length: int) -> Prompt:
-    ids = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-    return Prompt(ids, length, 0)
+def prompt(length: int) -> list[int]:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(length)).tolist()
 
 
 def run(engine: Engine, length: int, **settings) -> Finished:
     cfg = GenerationConfig(**{**CFG, **settings}).validate()
-    return [e for e in engine._run(prompt(length), cfg) if isinstance(e, Finished)][0]
+    return [e for e in engine.generate_ids(prompt(length), cfg) if isinstance(e, Finished)][0]
 
 
 def bytes_per_token(engine: Engine) -> int:
@@ -46,7 +43,7 @@ def bytes_per_token(engine: Engine) -> int:
 
 def held(engine: Engine) -> int:
     """Bytes of the caches the engine keeps between runs: its pool and the last prompt's full cache."""
-    return sum(c.nbytes for c in engine.pool.caches) + engine._prefilled[1].nbytes
+    return sum(c.nbytes for c in engine.memory.caches())
 
 
 def test_retrieval_cache_is_sized_by_the_prompt_not_the_budget():
@@ -76,24 +73,26 @@ def test_memory_after_varied_runs_returns_to_one_runs():
 def test_same_sized_caches_are_reused_and_a_closed_run_is_trimmed():
     engine = tiny_engine()
     run(engine, 120, budget=64)
-    kept = list(engine.pool.caches)  # held here, so no new cache can take an old one's id
+    kept = list(engine.memory.pool.caches)  # held here, so no new cache can take an old one's id
     run(engine, 124, budget=64)
-    assert engine.pool.caches == kept and len(kept) == 2  # retrieval + draft cache
-    events = engine._run(prompt(700), GenerationConfig(**CFG, budget=600).validate())
+    assert engine.memory.pool.caches == kept and len(kept) == 2  # retrieval + draft cache
+    events = engine.generate_ids(prompt(700), GenerationConfig(**CFG, budget=600).validate())
     next(e for e in events if isinstance(e, Tokens))
     events.close()  # stopped mid-run: the caches it used are kept (the draft's again), the smaller retrieval one not
-    assert not engine.pool.taken and len(engine.pool.caches) == 2
-    assert len({id(c) for c in kept} & {id(c) for c in engine.pool.caches}) == 1
+    assert not engine.memory.pool.taken and len(engine.memory.pool.caches) == 2
+    assert len({id(c) for c in kept} & {id(c) for c in engine.memory.pool.caches}) == 1
 
 
 def test_a_cache_that_no_longer_fits_is_given_back_before_its_successor_is_allocated():
     engine = tiny_engine()
     run(engine, 120, budget=64)
-    small = next(c for c in engine.pool.caches if type(c) is KVCache)  # the retrieval cache; the other: the draft's
-    draft = next(c for c in engine.pool.caches if c is not small)
-    events = engine._run(prompt(700), GenerationConfig(**CFG, budget=600).validate())
+    pooled = engine.memory.pool.caches
+    small = next(c for c in pooled if type(c) is KVCache)  # the retrieval cache; the other: the draft's
+    draft = next(c for c in pooled if c is not small)
+    events = engine.generate_ids(prompt(700), GenerationConfig(**CFG, budget=600).validate())
     next(e for e in events if isinstance(e, Tokens))  # mid-run: the new retrieval cache is in use
-    assert len(engine.pool.caches) == 2 and small not in engine.pool.caches and draft in engine.pool.caches
+    pooled = engine.memory.pool.caches
+    assert len(pooled) == 2 and small not in pooled and draft in pooled
     events.close()
 
 
@@ -107,11 +106,12 @@ def test_a_set_stop_ends_a_prefill_forward_between_two_layers():
     first = stopped.target.layers[0].register_forward_hook(lambda *_: stop.set())  # stop asked during layer 0
     stopped.target.layers[1].register_forward_hook(lambda *_: later_layers.append(1))
     cfg = GenerationConfig(**{**CFG, "method": "ar"}).validate()
-    events = list(stopped._run(prompt(300), cfg, stop))
+    events = list(stopped.generate_ids(prompt(300), cfg, stop))
     assert not later_layers and not any(isinstance(e, (PrefillProgress, Finished)) for e in events)
     first.remove()
-    again = [e for e in stopped._run(prompt(300), cfg) if isinstance(e, Finished)][0]  # nothing half-done is kept
-    fresh = [e for e in engine()._run(prompt(300), cfg) if isinstance(e, Finished)][0]
+    # nothing half-done is kept
+    again = [e for e in stopped.generate_ids(prompt(300), cfg) if isinstance(e, Finished)][0]
+    fresh = [e for e in engine().generate_ids(prompt(300), cfg) if isinstance(e, Finished)][0]
     assert not again.stats.prefill_reused and again.token_ids == fresh.token_ids
 
 
@@ -142,4 +142,4 @@ def test_warm_up_runs_each_path_and_keeps_no_prompt_cache(embedded):
     assert [(s.method, s.settings["greedy"]) for s in stats] == [("ar", True), ("triforce", True), ("triforce", False)]
     assert all(s.new_tokens > 0 and s.prompt_tokens > 500 for s in stats)
     assert stats[2].level2_proposed > 0
-    assert embedded._prefilled is None and not embedded.pool.caches
+    assert not embedded.memory.caches()

@@ -1,7 +1,9 @@
 """Prompt lookup: the longest recent match of the text's last tokens, its continuation, and the same answer whether
-the newest tokens come inside the sequence or beside it."""
+the newest tokens come inside the sequence or beside it; the drafters and policies the settings offer."""
 
-from core.drafters import NgramDrafter
+from core.config import DRAFTER_CHOICES, LEVEL2_CACHE_CHOICES, POLICY_CHOICES
+from core.drafters import DRAFTERS, NgramDrafter
+from core.retrieval import LEVEL2_CACHES, SELECTION_POLICIES
 
 
 def test_longest_match_and_its_continuation():
@@ -29,3 +31,10 @@ def test_proposals_are_the_same_with_the_newest_tokens_apart():
         apart = NgramDrafter(4).propose(seq[:split], 3, 6, seq[split:])
         assert apart == NgramDrafter(4).propose(seq, 3, 6), split
     assert NgramDrafter(4).propose(seq, 3, 6).tokens == [1, 5, 9]  # "3 1 4" recurs: continue with "1 5 9"
+
+
+def test_the_settings_offer_exactly_the_registered_drafters_and_policies():
+    """core.config spells the registries' names (it must import nothing above it): the two lists must agree."""
+    assert DRAFTER_CHOICES == ("auto", *DRAFTERS)
+    assert POLICY_CHOICES == tuple(SELECTION_POLICIES)
+    assert LEVEL2_CACHE_CHOICES == tuple(LEVEL2_CACHES)

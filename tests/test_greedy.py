@@ -25,7 +25,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def engine(embedded):
     """The embedded engine with the target itself as level-1 draft model (no separate draft ships yet)."""
-    return dataclasses.replace(embedded, draft=embedded.target, draft_name="self", _prefilled=None)
+    return dataclasses.replace(embedded, draft=embedded.target, draft_name="self", memory=None)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,8 @@ from core.config import GenerationConfig
 from core.engine import Engine
 from core.kvcache import KVCache
 from core.model import Fusion
-from core.prompting import Prompt
 from tests.stats import chi_square_p
-from tests.test_lossless import CFG, DEVICE, GATED_DRAWS, VOCAB, emitted_pairs, target_pairs, tiny_engine
+from tests.lossless import CFG, DEVICE, GATED_DRAWS, VOCAB, emitted_pairs, target_pairs, tiny_engine
 
 
 def test_confidence_gated_drafting_is_lossless(one_thread):
@@ -33,7 +32,7 @@ def test_reduced_draft_head_is_lossless(one_thread):
     kept = torch.tensor([0, 2, 3, 5, 7, 8])
     engine.draft.restrict_head(kept)
     cfg = GenerationConfig(**CFG, lookup_min=0).validate()  # (a copied continuation may lie outside the head)
-    drafter = engine.drafter(cfg, prompt, torch.Generator(DEVICE).manual_seed(0))
+    drafter = engine.drafter(engine.memory.plan(len(prompt), cfg), prompt, torch.Generator(DEVICE).manual_seed(0))
     outside = [i for i in range(VOCAB) if i not in kept.tolist()]
     with torch.no_grad():
         for _ in range(20):
@@ -53,7 +52,7 @@ def test_lookup_assisted_drafting_is_lossless(one_thread):
     """The model drafter copying prompt-lookup continuations (proposed with q one-hot) stays exact."""
     engine, prompt = tiny_engine()
     cfg = GenerationConfig(**CFG, lookup_min=2).validate()
-    drafter = engine.drafter(cfg, prompt, torch.Generator(DEVICE).manual_seed(0))
+    drafter = engine.drafter(engine.memory.plan(len(prompt), cfg), prompt, torch.Generator(DEVICE).manual_seed(0))
     seq, copied = list(prompt), 0
     with torch.no_grad():
         for _ in range(10):  # accept every proposal: the text grows, some of its bigrams recur
@@ -95,7 +94,7 @@ def test_fused_drafting_gets_the_target_state_and_is_lossless(monkeypatch, one_t
     m = engine.target
     with torch.no_grad():
         cfg = GenerationConfig(**{**CFG, "budget": 64, "max_new_tokens": 8}, seed=1).validate()
-        list(engine._run(Prompt(prompt, len(prompt), 0), cfg))
+        list(engine.generate_ids(prompt, cfg))
         assert calls[0][1] is None and len(calls) > 3 and all(f is not None for _, f in calls[1:])
         for ids, feature in calls[1:]:
             cache = KVCache(m.args.n_layers, m.args.n_kv_heads, m.args.head_dim, len(ids), torch.float32, m.device)
@@ -104,7 +103,7 @@ def test_fused_drafting_gets_the_target_state_and_is_lossless(monkeypatch, one_t
             # (on a GPU, other kernels and TF32: 6e-3 seen; a state from the wrong position is off by O(1))
             tol = 1e-4 if DEVICE == "cpu" else 3e-2
             torch.testing.assert_close(feature, want, atol=tol, rtol=tol)
-        drafter = engine.drafter(GenerationConfig(**CFG, lookup_min=0).validate(), prompt,
+        drafter = engine.drafter(engine.memory.plan(len(prompt), GenerationConfig(**CFG, lookup_min=0)), prompt,
                                   torch.Generator(DEVICE).manual_seed(0))
         plain = drafter.propose(prompt, 1, len(prompt) - 1).q
         fused = drafter.propose(prompt, 1, len(prompt) - 1, feature=calls[1][1]).q

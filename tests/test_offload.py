@@ -12,12 +12,11 @@ from core.events import Finished, PromptReady
 from core.kvcache import KVCache
 from core.levels import Level
 from core.offload import OffloadedKVCache
-from core.placement import GiB, plan
-from core.prompting import Prompt
+from core.memory import GiB, Memory
 from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
 from tests.stats import chi_square_p
-from tests.test_lossless import DEVICE, DigitTokenizer, emitted_pairs, target_pairs, tiny_engine
-from tests.tiny import tiny_config, tiny_pair
+from tests.lossless import DEVICE, emitted_pairs, target_pairs, tiny_engine
+from tests.tiny import DigitTokenizer, tiny_config, tiny_pair
 
 PROMPT = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -62,7 +61,7 @@ def engine() -> Engine:
 def finish(engine: Engine, **settings) -> Finished:
     cfg = GenerationConfig(**settings).validate()
     with torch.no_grad():
-        return [e for e in engine._run(Prompt(PROMPT, len(PROMPT), 0), cfg) if isinstance(e, Finished)][0]
+        return [e for e in engine.generate_ids(PROMPT, cfg) if isinstance(e, Finished)][0]
 
 
 @pytest.mark.parametrize("reselect", ["once", "every_verify", 2])
@@ -102,46 +101,53 @@ def test_offloaded_hierarchy_is_lossless():
     assert chi_square_p(counts, expected, draws) > 1e-3
 
 
-def test_placement_offloads_only_beyond_the_budget(monkeypatch):
+def test_placement_offloads_only_beyond_the_device_limit(monkeypatch):
     _, model = tiny_pair(tiny_config(layers=16))  # 4 KiB of keys/values per token in float32
-    cfg, capacity, prompt = GenerationConfig(), 500_000, 490_000
-    full = capacity * 4096
-    roomy, resolved = plan(model, None, capacity, prompt, cfg, budget=8 * GiB)
-    assert not roomy.offloaded and roomy.device["full KV cache"] == full and not roomy.host
-    assert (resolved.budget, resolved.gamma2) == (4096, 6)
-    tight, resolved = plan(model, None, capacity, prompt, cfg, budget=2 * GiB)
-    like_for_like = plan(model, None, capacity, prompt, GenerationConfig(method="ar"), budget=2 * GiB)[0]
-    assert like_for_like == tight
-    assert tight.offloaded and tight.index_on_device and tight.host == {"full KV cache": full}
-    assert tight.device["full KV cache staging (2 layers)"] == full // 8 and sum(tight.device.values()) <= 2 * GiB
-    assert (resolved.budget, resolved.gamma2) == (8192, 12)
-    index = tight.device["chunk index"]
-    tighter, _ = plan(model, None, capacity, prompt, cfg, budget=sum(tight.device.values()) - index // 2)
-    assert tighter.offloaded and not tighter.index_on_device and tighter.host["chunk index"] == index
+    cfg, prompt = GenerationConfig(), 490_000
+
+    def plan(limit: int, config: GenerationConfig = cfg):
+        return Memory(model, None, limit).plan(prompt, config)
+
+    roomy = plan(8 * GiB)
+    full = roomy.sizes.full * 4096
+    assert roomy.sizes.full == prompt + cfg.max_new_tokens + roomy.cfg.lookahead
+    assert not roomy.placement.offloaded and roomy.placement.device["full KV cache"] == full
+    assert not roomy.placement.host and (roomy.cfg.budget, roomy.cfg.gamma2) == (4096, 6)
+    tight = plan(2 * GiB)
+    assert plan(2 * GiB, GenerationConfig(method="ar")).placement == tight.placement  # like for like
+    full = tight.sizes.full * 4096  # offloaded runs look further ahead (γ2 12)
+    assert tight.placement.offloaded and tight.placement.index_on_device
+    assert tight.placement.host == {"full KV cache": full}
+    assert tight.placement.device["full KV cache staging (2 layers)"] == full // 8
+    assert sum(tight.placement.device.values()) <= 2 * GiB and (tight.cfg.budget, tight.cfg.gamma2) == (8192, 12)
+    index = tight.placement.device["chunk index"]
+    tighter = plan(sum(tight.placement.device.values()) - index // 2)
+    assert tighter.placement.offloaded and not tighter.placement.index_on_device
+    assert tighter.placement.host["chunk index"] == index
     with pytest.raises(TriForceError, match="allow offloading"):
-        plan(model, None, capacity, prompt, GenerationConfig(offload="off"), budget=2 * GiB)
+        plan(2 * GiB, GenerationConfig(offload="off"))
     with pytest.raises(TriForceError, match="even with the KV cache offloaded"):
-        plan(model, None, capacity, prompt, cfg, budget=GiB + GiB // 10)
-    monkeypatch.setattr("core.placement.host_available", lambda: full // 2)
+        plan(GiB + GiB // 10)
+    monkeypatch.setattr("core.memory.host_available", lambda: full // 2)
     with pytest.raises(TriForceError, match="CPU memory"):
-        plan(model, None, capacity, prompt, cfg, budget=2 * GiB)
+        plan(2 * GiB)
 
 
 def test_the_kept_offloaded_cache_counts_as_available_host_memory(monkeypatch):
     """A next run reuses the previous run's offloaded cache or gives it back before allocating, so the host memory it
     holds (which lowers the machine's MemAvailable, mocked here) is not counted against the run."""
     engine = tiny_offload_engine()
-    engine.budget = 2 * GiB  # plans as on a GPU: the host memory is checked
+    engine.memory.limit = 2 * GiB  # plans as on a GPU: the host memory is checked
     finish(engine, offload="on", max_new_tokens=4)
-    need = engine._kept_cache.nbytes
+    need = engine.memory.kept.cache.nbytes
 
     def held() -> int:
-        return engine._kept_cache.nbytes if engine._kept_cache else 0
+        return engine.memory.kept.cache.nbytes if engine.memory.kept else 0
 
-    monkeypatch.setattr("core.placement.host_available", lambda: int(1.5 * need) - held())
+    monkeypatch.setattr("core.memory.host_available", lambda: int(1.5 * need) - held())
     assert finish(engine, offload="on", max_new_tokens=4).stats.offloaded  # reused
     assert finish(engine, offload="on", max_new_tokens=40).stats.offloaded  # larger: the old one given back first
-    monkeypatch.setattr("core.placement.host_available", lambda: int(0.5 * need) - held())
+    monkeypatch.setattr("core.memory.host_available", lambda: int(0.5 * need) - held())
     with pytest.raises(TriForceError, match="CPU memory"):
         finish(engine, offload="on", max_new_tokens=4)
 
@@ -149,6 +155,6 @@ def test_the_kept_offloaded_cache_counts_as_available_host_memory(monkeypatch):
 def test_prompt_ready_says_where_each_cache_lives(engine):
     cfg = GenerationConfig(offload="on", max_new_tokens=2, budget=32, chunk_size=4).validate()
     with torch.no_grad():
-        ready = next(e for e in engine._run(Prompt(PROMPT, len(PROMPT), 0), cfg) if isinstance(e, PromptReady))
+        ready = next(e for e in engine.generate_ids(PROMPT, cfg) if isinstance(e, PromptReady))
     assert ready.offloaded and ready.caches["full KV cache"]["where"] == "CPU"
     assert ready.caches["retrieval cache"]["where"] == "GPU"

@@ -16,9 +16,8 @@ from core.engine import Engine
 from core.events import Finished
 from core.kvcache import KVCache
 from core.parallel import TensorParallel, joined, launch, parallelize, shard
-from core.prompting import Prompt
 from tests.stats import chi_square_p
-from tests.test_lossless import CFG, emitted_pairs, target_pairs, tiny_engine
+from tests.lossless import CFG, emitted_pairs, target_pairs, tiny_engine
 from tests.tiny import tiny_config, tiny_pair
 
 WORLD = 2
@@ -49,7 +48,7 @@ def greedy_ids(engine: Engine, prompt: list[int]) -> dict[str, list[int]]:
     with torch.no_grad():
         for name, extra in GREEDY.items():
             cfg = GenerationConfig(**{**CFG, "max_new_tokens": 16, "greedy": True, **extra}).validate()
-            events = engine._run(Prompt(prompt, len(prompt), 0), cfg)
+            events = engine.generate_ids(prompt, cfg)
             out[name] = next(e for e in events if isinstance(e, Finished)).token_ids
     return out
 

@@ -117,7 +117,7 @@ def test_a_long_question_is_reported_as_such(embedded):
 
 
 def test_truncation_is_reported_in_events(embedded):
-    small = __import__("dataclasses").replace(embedded, context_length=1024, _prefilled=None)
+    small = __import__("dataclasses").replace(embedded, context_length=1024, memory=None)
     events = list(small.generate("word " * 3000, "Count.", GenerationConfig(method="ar", max_new_tokens=2,
                                                                             greedy=True)))
     ready = next(e for e in events if isinstance(e, PromptReady))
@@ -152,7 +152,7 @@ def test_invalid_settings_are_refused_before_work(embedded, settings, message):
 
 
 def test_model_drafter_without_draft_model(embedded):
-    no_draft = dataclasses.replace(embedded, draft=None, draft_name=None, _prefilled=None)
+    no_draft = dataclasses.replace(embedded, draft=None, draft_name=None, memory=None)
     with pytest.raises(TriForceError, match="needs a draft model"):
         list(no_draft.generate(DOC, "Why?", GenerationConfig(drafter="model", max_new_tokens=2)))
 
