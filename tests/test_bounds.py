@@ -143,3 +143,16 @@ def test_warm_up_runs_each_path_and_keeps_no_prompt_cache(embedded):
     assert all(s.new_tokens > 0 and s.prompt_tokens > 500 for s in stats)
     assert stats[2].level2_proposed > 0
     assert not embedded.memory.caches()
+
+
+def test_a_streaming_window_larger_than_the_prompt_is_clamped_and_stays_exact():
+    """Sink and window far beyond a short prompt: the level-1 cache holds only what the prompt and answer need, and
+    rolling it back after rejections (every token then sits in the sink) works; greedy output equals AR."""
+    engine = tiny_engine()
+    wide = dict(sink_tokens=4096, window_tokens=65536, max_new_tokens=12, budget=16)
+    triforce = run(engine, 171, **wide)
+    ar = run(engine, 171, **wide, method="ar")
+    assert triforce.token_ids == ar.token_ids and triforce.stats.level1_proposed > 0
+    level1 = triforce.stats.level1_cache_bytes
+    assert level1 <= (171 + 12 + triforce.stats.settings["gamma1"] + triforce.stats.settings["gamma2"] + 2) * \
+        bytes_per_token(engine)
