@@ -11,16 +11,23 @@ from core.config import GenerationConfig
 from core.events import Event, Footprint, StepTiming
 from core.levels import Level
 from core.output import Output
+from core.planner import Costs
 from core.repetition import Repetition
 from core.sampling import distributions, sample
 
 
+NEAR_TIE = 1.0  # greedy runs record the steps whose top two logits are closer than this (rounding can swap them)
+
+
 class Autoregressive:
-    """One target forward per token until `out` says stop; the target level's cache must hold prompt[:-1]."""
+    """One target forward per token until `out` says stop; the target level's cache must hold prompt[:-1]. Greedy
+    runs also note each step's top-two logit margin, so that a comparison can say where a near-tie was decided."""
 
     def __init__(self, target: Level, prompt: list[int], cfg: GenerationConfig, generator: torch.Generator,
                  out: Output):
         self.target, self.prompt, self.cfg, self.generator, self.out = target, prompt, cfg, generator, out
+        self.margins: list[torch.Tensor] = []  # per greedy step, on the device (read once, at the end)
+        self.costs = Costs()  # its steps' time (a later run's planner starts from it)
 
     def run(self) -> Iterator[Event]:
         """Each token's event and timing."""
@@ -30,14 +37,24 @@ class Autoregressive:
         repetition = Repetition(cfg, target.model.args.vocab_size, target.model.device, len(seq))
         while not out.done:
             t0 = time.perf_counter()
-            p = distributions(repetition(target.logits(seq, 1, len(seq) - 1), seq), cfg)
-            token = sample(p[0], self.generator)
+            logits = repetition(target.logits(seq, 1, len(seq) - 1), seq)
+            if cfg.is_greedy:
+                top = logits[0].topk(2).values
+                self.margins.append(top[0] - top[1])
+            token = sample(distributions(logits, cfg)[0], self.generator)
             ms = (time.perf_counter() - t0) * 1e3
+            if step:  # the first step may capture a CUDA graph
+                self.costs.observe(0, 0.0, 0, 0.0, 1, ms, 0.0)
             seq.append(token)
             yield out.add([token], ["target"], step)
             yield StepTiming(step, 0.0, 0.0, ms, 0.0, 1)
             step += 1
 
+    def measured(self) -> Costs:
+        """What a step took in this run."""
+        return self.costs
+
     def footprint(self) -> Footprint:
-        """Nothing beside the full cache and the target: no drafts, no other caches."""
-        return Footprint()
+        """No drafts and no other caches; the greedy steps decided by a near-tie, with their margins."""
+        margins = torch.stack(self.margins).tolist() if self.margins else []
+        return Footprint(near_ties=[(i, m) for i, m in enumerate(margins) if m < NEAR_TIE])

@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import transformers
 
+from core.compare import difference_note
 from core.config import GenerationConfig, TriForceError, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
@@ -63,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("--doc", required=True, help="document file (UTF-8 text)")
         s.add_argument("--prompt", required=True, help="instruction or question")
-        add_settings(s, skip=() if name == "generate" else ("method",))
+        add_settings(s)
         s.add_argument("--draft", help="draft model: hub id, directory or .gguf")
         s.add_argument("--target", help="target model: hub id, directory or .gguf (default: embedded SmolLM2)")
         s.add_argument("--device")
@@ -98,8 +99,10 @@ def _stats_line(s: Stats) -> str:
     line = (f"{s.method}: {s.new_tokens} tokens, {s.tokens_per_s:.2f} tok/s, prefill {s.prefill_s:.1f}s "
             f"({s.prompt_tokens} prompt tokens, {s.dropped_tokens} dropped), {s.tokens_per_target_forward:.2f} "
             "tokens/target forward")
-    if s.method == "triforce":
+    if s.method != "ar":
         line += f", acceptance L1 {s.level1_acceptance:.2f} L2 {s.level2_acceptance:.2f}"
+    if s.plans:
+        line += f"; plans: {' then '.join(s.plans)}"
     return line
 
 
@@ -140,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
     """The command, in this process (one rank of a tensor-parallel group when `tp`)."""
     document = read_document(args.doc)
-    methods = [args.method] if args.command == "generate" else ["ar", "triforce"]
+    # compare: autoregressive decoding against the method asked for (auto unless triforce)
+    methods = [args.method] if args.command == "generate" else ["ar", "triforce" if args.method == "triforce" else
+                                                                  "auto"]
     configs = [_config(args, m) for m in methods]
     engine = Engine.load(args.target, args.draft, args.device, args.dtype, gpu_memory_gib=args.gpu_memory_gib, tp=tp)
     if args.command == "generate":
@@ -152,11 +157,12 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
         return 0
     ar, tf = (_run(engine, document, args, cfg, show=False) for cfg in configs)
     same = ar.token_ids == tf.token_ids
+    note = difference_note(ar.token_ids, tf.token_ids, ar.stats.near_ties)
     if args.json:
         print(json.dumps({"ar": _summary(ar), "triforce": _summary(tf), "identical": same,
-                          "speedup": tf.stats.tokens_per_s / ar.stats.tokens_per_s}))
+                          "speedup": tf.stats.tokens_per_s / ar.stats.tokens_per_s, "difference": note}))
     else:
         print(f"{_stats_line(ar.stats)}\n{_stats_line(tf.stats)}\n"
               f"speedup {tf.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x, outputs "
-              + ("token-identical" if same else "differ") + f"\n\n{tf.text}")
+              + ("token-identical" if same else note if args.greedy else "differ (sampled)") + f"\n\n{tf.text}")
     return 1 if args.greedy and not same else 0

@@ -10,9 +10,10 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal, Union
 
-Method = Literal["triforce", "ar"]
+Method = Literal["auto", "triforce", "ar"]
 Reselect = Union[str, int]
 SEED_LIMIT = 2**63  # torch generators take seeds below this
+AUTO_GAMMA2 = 15  # method auto: the longest level-3 draft (γ2 + 1 tokens fill one 16-row decode step)
 
 
 class TriForceError(ValueError):
@@ -77,7 +78,9 @@ def setting(default: Any, help: str, **spec: Any) -> Any:
 class GenerationConfig:
     """Everything one generation needs besides the models and the input."""
 
-    method: Method = setting("triforce", "decoding method", label="Method", choices=("triforce", "ar"), app=False)
+    method: Method = setting("auto", "decoding method: auto (the engine chooses which levels draft and their γs from "
+                             "measured costs, round by round), triforce (always levels 1 → 2 → 3 at the γs set) or ar "
+                             "(autoregressive)", label="Method", choices=("auto", "triforce", "ar"), app=False)
     max_new_tokens: int = setting(128, "answer length limit in tokens", label="Max new tokens", low=1, high=32768)
     budget: int | None = setting(None, "retrieval budget in tokens (a multiple of the chunk size; default 4096, or "
                                  "8192 with the full cache offloaded)", label="Retrieval budget (tokens)", low=1,
@@ -86,7 +89,8 @@ class GenerationConfig:
     gamma1: int = setting(2, "level-1 tokens per level-2 verification", label="γ1 (level-1 tokens per level-2 check)",
                           low=1, high=16)
     gamma2: int | None = setting(None, "level-2 tokens per level-3 verification (default 6, or 12 with the full cache "
-                                 "offloaded)", label="γ2 (level-2 tokens per level-3 check)", low=1, high=32)
+                                 f"offloaded; method auto: the most it may choose, default {AUTO_GAMMA2})",
+                                 label="γ2 (level-2 tokens per level-3 check)", low=1, high=32)
     drafter: str = setting("auto", "level-1 drafter (auto: the draft model if one is loaded, else ngram)",
                            label="Level-1 drafter", choices=DRAFTER_CHOICES)
     reselect: Reselect = setting("once", "when to choose the retrieved chunks again: a policy or every N "
@@ -140,9 +144,10 @@ class GenerationConfig:
 
     def resolved(self, offloaded: bool) -> GenerationConfig:
         """A copy with the regime's defaults filled in: budget 4096 and γ2 6 on-chip, 8192 and 12 offloaded (the
-        paper's settings for each)."""
+        paper's settings for each); method auto bounds γ2 by AUTO_GAMMA2."""
+        gamma2 = AUTO_GAMMA2 if self.method == "auto" else 12 if offloaded else 6
         return dataclasses.replace(self, budget=self.budget or (8192 if offloaded else 4096),
-                                   gamma2=self.gamma2 or (12 if offloaded else 6)).validate()
+                                   gamma2=self.gamma2 or gamma2).validate()
 
     @property
     def lookahead(self) -> int:

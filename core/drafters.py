@@ -126,8 +126,14 @@ class ModelDrafter:
         self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator
         self.repetition = Repetition(cfg, vocab_size, model.device, len(prompt))  # q nearer the target's penalised p
         self.lookup = NgramDrafter(max(cfg.ngram_max, cfg.lookup_min)) if cfg.lookup_min else None
-        body = prompt[:-1]
-        sink, window = cfg.sink_tokens, cfg.window_tokens
+        self._fill(prompt[:-1])
+
+    def _fill(self, body: list[int]) -> None:
+        """Start the StreamingLLM cache over `body`: its first sink tokens and its last window (the middle is
+        skipped, as the cache would have evicted it)."""
+        cache, sink, window = self.level.cache, self.cfg.sink_tokens, self.cfg.window_tokens
+        cache.reset()
+        self.level.tokens = []
         if len(body) <= sink + window:
             list(self.level.prefill(body, len(body)))
         else:
@@ -139,6 +145,8 @@ class ModelDrafter:
     def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
                 feature: torch.Tensor | None = None) -> Proposal:
         extra = list(extra)
+        if len(seq) + len(extra) - len(self.level.tokens) > self.cfg.window_tokens:  # after rounds without level 1
+            self._fill(seq + extra[:-1] if extra else seq[:-1])
         tokens: list[int] = []
         qs, copied = [], []
         model = self.level.model
@@ -196,8 +204,11 @@ DRAFTERS: dict[str, Callable[[DraftContext], Drafter]] = {
 }
 
 
-def make_drafter(name: str, ctx: DraftContext) -> Drafter:
+def drafter_name(setting: str, has_draft_model: bool) -> str:
     """The drafter a setting names ("auto": the draft model when one is loaded, else prompt lookup)."""
-    if name == "auto":
-        name = "model" if ctx.draft is not None else "ngram"
-    return DRAFTERS[name](ctx)
+    return ("model" if has_draft_model else "ngram") if setting == "auto" else setting
+
+
+def make_drafter(setting: str, ctx: DraftContext) -> Drafter:
+    """The drafter a setting names."""
+    return DRAFTERS[drafter_name(setting, ctx.draft is not None)](ctx)

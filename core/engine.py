@@ -15,14 +15,15 @@ import transformers
 from core.autoregressive import Autoregressive
 from core.config import GenerationConfig, TriForceError
 from core.cuda_graphs import Graphs
-from core.drafters import DraftContext, Drafter, make_drafter
+from core.drafters import DraftContext, Drafter, drafter_name, make_drafter
 from core.events import Event, Finished, Footprint, Loading, PrefillProgress, PromptReady, Stats
 from core.levels import Level, Stopped
 from core.loading import default_draft, device_and_dtype, load_draft, load_model
-from core.memory import GiB, Memory, Plan, Prefilled, device_limit
+from core.memory import GiB, Memory, Plan, Prefilled, device_limit, working_bytes
 from core.model import Transformer
 from core.output import Output
 from core.parallel import TensorParallel, parallelize
+from core.planner import CostBook, Costs, Estimates
 from core.prompting import Prompt, build_prompt, plain_ids
 from core.samples import warm_up_text
 from core.triforce import TriForce
@@ -31,27 +32,27 @@ _LOADED: dict[tuple, "Engine"] = {}
 
 
 def default_prefill_chunk(model: Transformer, limit: int | None = None) -> int:
-    """Tokens per prefill forward: 2048 on a CPU (a progress event each); on a GPU as many as half the free memory
-    (within `limit` bytes for this process, if given) holds the activations of (a long prompt in one forward: plain
-    causal attention is the fastest there)."""
+    """Tokens per prefill forward: 2048 on a CPU (a progress event each); on a GPU as many as the run's working
+    memory holds the activations of (a long prompt in few forwards: plain causal attention is the fastest there).
+    It depends on the model and the device limit only, never on what happens to be free: the same prompt is then
+    always prefilled in the same pieces, into the same keys and values."""
     if model.device.type != "cuda":
         return 2048
     a = model.args
     width = 4 * a.dim + (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + 4 * a.intermediate_size
-    per_token = model.dtype.itemsize * width
-    free, _ = torch.cuda.mem_get_info(model.device)
-    if limit is not None:
-        free = min(free, limit - torch.cuda.memory_reserved(model.device))
-    return max(2048, free // 2 // per_token)
+    limit = limit or torch.cuda.get_device_properties(model.device).total_memory
+    return max(2048, working_bytes(limit) // (model.dtype.itemsize * width))
 
 
 class Decoder(Protocol):
     """A decoding method over a prefilled target level: its events until the answer is done, then what it adds to
-    the run's figures."""
+    the run's figures and what its steps cost."""
 
     def run(self) -> Iterator[Event]: ...
 
     def footprint(self) -> Footprint: ...
+
+    def measured(self) -> Costs: ...
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Engine:
     info: dict = field(default_factory=dict)
     memory: Memory | None = None  # the runs' caches (None: a new Memory with no device limit, as on a CPU)
     graphs: Graphs | None = None  # CUDA graphs of decode steps (None: launched eagerly)
+    costs: CostBook = field(default_factory=CostBook)  # step costs measured by earlier runs (method auto reads them)
 
     def __post_init__(self):
         if self.memory is None:
@@ -164,11 +166,12 @@ class Engine:
         return self.memory.during(self._events(Prompt(list(ids), len(ids), 0), cfg, stop))
 
     def warm_up(self, new_tokens: int = 128) -> list[Stats]:
-        """Run AR, greedy TriForce and sampled TriForce once on a short sample text, so that the kernels a GPU compiles
-        on first use (Triton, cuBLAS) are ready before a first request; its caches are released after."""
+        """Run AR, greedy and sampled TriForce and method auto once on a short sample text, so that the kernels a GPU
+        compiles on first use (Triton, cuBLAS) are ready before a first request; its caches are released after."""
         document, question = warm_up_text()
         stats = []
-        for settings in ({"method": "ar", "greedy": True}, {"greedy": True}, {}):
+        for settings in ({"method": "ar", "greedy": True}, {"method": "triforce", "greedy": True},
+                         {"method": "triforce"}, {"method": "auto"}):
             cfg = GenerationConfig(max_new_tokens=new_tokens, overflow="truncate", **settings)
             stats += [e.stats for e in self.generate(document, question, cfg) if isinstance(e, Finished)]
         self.release()
@@ -208,6 +211,7 @@ class Engine:
         forwards, moved = target.forwards, target.cache.moved
         captured = self.graphs.capture_s if self.graphs else 0.0
         yield from decoder.run()
+        self.costs.learn(plan.placement.offloaded, len(ids), cfg.budget, self._drafter_name(cfg), decoder.measured())
         warmup_s = (self.graphs.capture_s if self.graphs else 0.0) - captured
         decode_s = time.perf_counter() - t1 - warmup_s  # capturing graphs (first use of a shape) is not decoding
         n, forwards = len(out.ids), target.forwards - forwards
@@ -228,8 +232,15 @@ class Engine:
         cfg = plan.cfg
         if cfg.method == "ar":
             return Autoregressive(target, ids, cfg, generator, out)
-        return TriForce(target, ids, self.memory.kept.queries, self.drafter(plan, ids, generator), cfg, generator,
-                        out, self.memory.retrieval_cache(plan), self.graphs, self.memory.index_device(plan))
+        drafter = self.drafter(plan, ids, generator)
+        estimates = Estimates(self.costs.costs(plan.placement.offloaded, len(ids), cfg.budget, drafter.name)) \
+            if cfg.method == "auto" else None
+        return TriForce(target, ids, self.memory.kept.queries, drafter, cfg, generator, out,
+                        self.memory.retrieval_cache(plan), self.graphs, self.memory.index_device(plan), estimates)
+
+    def _drafter_name(self, cfg: GenerationConfig) -> str:
+        """The level-1 drafter a run of these settings uses."""
+        return drafter_name(cfg.drafter, self.draft is not None)
 
     def _prefill(self, target: Level, ids: list[int], cfg: GenerationConfig, t0: float,
                  stop: threading.Event | None = None) -> Iterator[PrefillProgress]:

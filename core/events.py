@@ -104,6 +104,20 @@ class Tokens(Event):
 
 
 @dataclass
+class PlanChosen(Event):
+    """From round `round` on, the hierarchy the planner chose (method auto) and why: which levels draft and how
+    many tokens (gamma2 0: autoregressive)."""
+
+    round: int
+    plan: str
+    reason: str
+    level1: bool
+    level2: bool
+    gamma1: int
+    gamma2: int
+
+
+@dataclass
 class StepTiming(Event):
     """Wall time of one level-3 round, split by level (milliseconds)."""
 
@@ -144,6 +158,8 @@ class Footprint:
     retrieval_cache_bytes: int = 0
     level1_cache_bytes: int = 0
     level1_weight_bytes: int = 0
+    near_ties: list[tuple[int, float]] = field(default_factory=list)  # (answer token, top-two logit margin)
+    plans: list[str] = field(default_factory=list)  # the hierarchies a planner chose, in order
 
 
 @dataclass(kw_only=True)
@@ -175,6 +191,8 @@ class Stats(Acceptance):
     warmup_s: float = 0.0  # capturing CUDA graphs and compiling kernels for shapes first seen in this run
     offloaded: bool = False
     host_link_bytes: int = 0  # bytes copied between CPU and GPU memory while decoding (offloaded full cache)
+    near_ties: list[tuple[int, float]] = field(default_factory=list)  # greedy AR: tokens its top two logits nearly tied
+    plans: list[str] = field(default_factory=list)  # method auto: the hierarchies chosen, in order
 
     @classmethod
     def of(cls, footprint: Footprint, **figures) -> "Stats":

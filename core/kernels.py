@@ -13,19 +13,29 @@ BLOCK_N = 64
 TARGET_PROGRAMS = 2 * 132  # two per SM of an H100/H200: more, shorter splits measured slower (bench.kernel_sweep)
 
 
+# Batch invariance: row i of a step over k new tokens is computed with exactly the arithmetic of a one-token step at
+# that position, so greedy TriForce (level 3 verifies k tokens at once) emits what autoregressive decoding (one at a
+# time) does, bit for bit. Each kernel below is compiled once for every step size (tile sizes are constants, counts
+# are runtime values), a row's reduction order never depends on the other rows, and the key range is split at
+# boundaries fixed by the cache, not by the number of new tokens: a key a row must not see (a later new token) only
+# adds exact zeros to its sums.
+TILE_ROWS = 16  # query rows one attention program computes (a step's rows are tiled: 16 x tiles)
+
+
 @triton.jit
 def _split_kernel(Q, K, V, Meta, Part, Lse, split_len, scale,
                   stride_qh, stride_kh, stride_kn, stride_ph, stride_ps, stride_pm, stride_lh, stride_ls,
                   N_NEW, ROWS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """One (KV head, split): online softmax of the group's query rows over keys [start, start + split_len). The
-    new-token count is a runtime value: one compiled kernel per BLOCK_M serves every step size that fits it."""
-    h = tl.program_id(0)
+    """One (row tile, split, KV head): online softmax of BLOCK_M of the group's query rows over keys [start, start +
+    split_len). The tiles of one split are neighbouring programs, so they read its keys from L2 after the first."""
+    t = tl.program_id(0)
     s = tl.program_id(1)
+    h = tl.program_id(2)
     base = tl.load(Meta + 1)  # slot of the first new token; keys [0, base + N_NEW) are valid
     length = base + N_NEW
     start = s * split_len
     end = tl.minimum(start + split_len, length)
-    rows = tl.arange(0, BLOCK_M)
+    rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, D)
     row_ok = rows < ROWS
     limit = base + rows % N_NEW  # causal: new token i sees keys up to its own slot
@@ -74,6 +84,12 @@ def num_splits(n_kv_heads: int, capacity: int) -> int:
     return max(1, min(want, most))
 
 
+def split_length(splits: int, capacity: int, block_n: int) -> int:
+    """Keys per split: the capacity rounded up to a power of two, cut in `splits` (whole blocks), so that caches of
+    nearby capacities split the same positions alike."""
+    return triton.cdiv(triton.cdiv(triton.next_power_of_2(capacity), splits), block_n) * block_n
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor, splits: int | None = None,
                      block_n: int = BLOCK_N, stages: int = 3) -> torch.Tensor:
     """Causal GQA attention of n new queries q [Hq, n, D] over one layer's cache k, v [Hkv, capacity, D] whose
@@ -84,17 +100,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: to
     hkv, capacity, _ = k.shape
     group = hq // hkv
     rows = group * n
-    block_m = max(16, triton.next_power_of_2(rows))
-    splits = splits or num_splits(hkv, capacity)
-    split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
-    part = torch.empty(hkv, splits, block_m, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(hkv, splits, block_m, dtype=torch.float32, device=q.device)
+    tiles = triton.cdiv(rows, TILE_ROWS)
+    splits = splits or num_splits(hkv, triton.next_power_of_2(capacity))
+    split_len = split_length(splits, capacity, block_n)
+    part = torch.empty(hkv, splits, tiles * TILE_ROWS, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(hkv, splits, tiles * TILE_ROWS, dtype=torch.float32, device=q.device)
     q = q.contiguous()
     scale = d ** -0.5 * 1.4426950408889634  # exp2 domain
-    _split_kernel[(hkv, splits)](q, k, v, meta, part, lse, split_len, scale,
-                                 rows * d, k.stride(0), k.stride(1), part.stride(0), part.stride(1), part.stride(2),
-                                 lse.stride(0), lse.stride(1), N_NEW=n, ROWS=rows, BLOCK_M=block_m,
-                                 BLOCK_N=block_n, D=d, num_warps=4, num_stages=stages)
+    _split_kernel[(tiles, splits, hkv)](q, k, v, meta, part, lse, split_len, scale,
+                                        rows * d, k.stride(0), k.stride(1), part.stride(0), part.stride(1),
+                                        part.stride(2), lse.stride(0), lse.stride(1), N_NEW=n, ROWS=rows,
+                                        BLOCK_M=TILE_ROWS, BLOCK_N=block_n, D=d, num_warps=4, num_stages=stages)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     _reduce_kernel[(hkv, rows)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                                 lse.stride(1), out.stride(0), out.stride(1), N_NEW=n, GROUP=group, SPLITS=splits,
@@ -255,17 +271,17 @@ def _graph_bench(fn, quantiles=None):
 _gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K"], restore_value=["Y"], do_bench=_graph_bench)(_gemv_kernel)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add_to: torch.Tensor | None,
-         rows: int) -> torch.Tensor:
-    """x [m, K] @ weight[N, K].T (+ bias) for m <= rows (the block of rows every launch computes), as one kernel;
-    with `add_to` [m, N] the result is added to it in place and returned (a residual connection without a separate
-    add or split-K reduction)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
+         rows: int, accumulate: bool = True) -> torch.Tensor:
+    """x [m, K] @ weight[N, K].T (+ bias) for m <= rows (the block of rows every launch computes), as one kernel,
+    into a new [m, N] tensor of x's dtype or into `out` [m, N], to which it is added (a residual connection without
+    a separate add or split-K reduction) unless not `accumulate`; returns the result."""
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
-    y = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=add_to is not None, BLOCK_M=rows)
+    flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=out is not None and accumulate, BLOCK_M=rows)
     _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     return y
 

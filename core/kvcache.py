@@ -115,10 +115,11 @@ class KVCache:
         self.head, self.start, self.used = head, start, head
 
     def copy_positions(self, src: "KVCache", a: int, b: int) -> None:
-        """Overwrite positions [a, b) with src's keys/values for them."""
+        """Write positions [a, b) with src's keys/values for them (a <= seq_len: the cache then ends at b or later)."""
         k, v = src.read(a, b)
         self.k[:, :, self.slot(a):self.slot(b)] = k
         self.v[:, :, self.slot(a):self.slot(b)] = v
+        self.used = max(self.used, self.slot(b))
 
 
 class StreamingCache(KVCache):

@@ -10,6 +10,7 @@ import torch
 from core.cuda_graphs import Graphs
 from core.kvcache import KVCache
 from core.model import Transformer
+from core.ops import DECODE_TOKENS
 
 
 def common_prefix(a: list[int], b: list[int], start: int, limit: int) -> int:
@@ -19,6 +20,11 @@ def common_prefix(a: list[int], b: list[int], start: int, limit: int) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _overlap(a: int, n: int, total: int, last: int) -> int:
+    """How many of positions [a, a + n) are among the last `last` of `total`."""
+    return max(0, min(a + n, total) - max(a, total - last))
 
 
 class Stopped(Exception):
@@ -52,16 +58,28 @@ class Level:
         keep = start + common_prefix(self.tokens[start:], tail, 0, total - n_last - start)
         self.cache.truncate(keep)
         new = tail[keep - start:]
-        if self.graphs is not None and self.graphs.applies(self.model, self.cache, len(new)):
-            out, self.queries = self.graphs.step(self.model, self.cache, new, n_last, record)
-        else:
-            self.cache.begin(len(new))
-            out, self.queries = self.model.step(torch.tensor(new, device=self.model.device), self.cache, n_last,
-                                                record)
+        # The device kernels compute a row of a decode step as a one-token step would; a longer input (a level-3
+        # draft over DECODE_TOKENS) is fed in decode-step pieces so that every row keeps that property.
+        piece = DECODE_TOKENS if self.model.ops.device_steps else len(new)
+        outs, queries = [], []
+        for a in range(0, len(new), piece):
+            part = new[a:a + piece]
+            out, recorded = self._step(part, _overlap(a, len(part), len(new), n_last),
+                                       _overlap(a, len(part), len(new), record))
+            outs.append(out)
+            queries = [torch.cat(q, 1) for q in zip(queries, recorded)] if queries else recorded
+        self.queries = queries
         del self.tokens[keep:]
         self.tokens.extend(new)
         self.forwards += 1
-        return out
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _step(self, new: list[int], n_rows: int, record: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One forward of `new` after the cached tokens: replayed from a CUDA graph where one applies."""
+        if self.graphs is not None and self.graphs.applies(self.model, self.cache, len(new)):
+            return self.graphs.step(self.model, self.cache, new, n_rows, record)
+        self.cache.begin(len(new))
+        return self.model.step(torch.tensor(new, device=self.model.device), self.cache, n_rows, record)
 
     def prefill(self, ids: list[int], chunk: int, record: int = 0, stop: threading.Event | None = None
                 ) -> Iterator[int]:

@@ -67,6 +67,11 @@ def device_limit(device: torch.device, gib: float | None) -> int | None:
     return limit
 
 
+def working_bytes(limit: int | None) -> int:
+    """Device memory a run keeps free for activations, logits and allocator slack (none planned on a CPU)."""
+    return max(GiB, limit // 12) if limit else 0
+
+
 def reusable(capacity: int, need: int) -> bool:
     """Whether a cache of `capacity` slots may serve a run needing `need`: it fits, and holds at most twice that."""
     return need <= capacity <= 2 * need
@@ -200,8 +205,7 @@ class Memory:
         c = cfg.resolved(offloaded)
         sizes = Sizes.of(prompt_tokens, c)
         token = kv_bytes_per_token(self.target)
-        working = max(GiB, self.limit // 12) if self.limit else 0  # activations, logits, allocator slack
-        device = {"weights": self.weights, "working memory": working}
+        device = {"weights": self.weights, "working memory": working_bytes(self.limit)}
         host: dict[str, int] = {}
         if offloaded:
             device["full KV cache staging (2 layers)"] = 2 * sizes.full * token // self.target.args.n_layers

@@ -207,7 +207,7 @@ class MLP(nn.Module):
         if self.w13 is None:
             hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
         else:
-            hidden = ops.silu_mul(F.linear(x, self.w13))
+            hidden = ops.silu_mul(ops.linear(x, self.w13))
         return ops.linear_add(residual, hidden, self.down_proj.weight)
 
 
@@ -322,7 +322,7 @@ class Transformer(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of normed hidden states."""
-        return self.lm_head(hidden).float()
+        return self.ops.logits(hidden, self.lm_head.weight)
 
     def restrict_head(self, ids: torch.Tensor) -> None:
         """Score only the token ids `ids` (a draft's reduced head): logits come in that order, `vocab_ids` maps them

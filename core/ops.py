@@ -100,6 +100,10 @@ class TorchOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Float32 logits x @ weight.T of the LM head."""
+        return F.linear(x, weight).float()
+
     def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """residual + x @ weight.T (+ bias); in place (the add rides in the GEMM) when no gradient needs residual."""
@@ -138,8 +142,10 @@ class TorchOps:
 
 class TritonOps(TorchOps):
     """CUDA decode steps through Triton kernels: split-K attention over the cache in place (lengths read from device
-    memory), fused RoPE + store, RMSNorm, SwiGLU, a GEMV that adds into the residual, and a chunk gather. Longer
-    inputs (prefill) keep cuBLAS and SDPA."""
+    memory), fused RoPE + store, RMSNorm, SwiGLU, a GEMV for every projection and the LM head (adding into the
+    residual where one follows), and a chunk gather. Each computes a row of a k-row step exactly as a 1-row step
+    (core.kernels says how), so greedy TriForce is token-identical to autoregressive decoding. Longer inputs
+    (prefill) keep cuBLAS and SDPA."""
 
     name = "triton"
     device_steps = True
@@ -159,6 +165,13 @@ class TritonOps(TorchOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.k.gemv(x, weight, bias, None, DECODE_TOKENS) if self._gemv(x) else F.linear(x, weight, bias)
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A decode step's logits from the GEMV, accumulated and written in float32 (no bf16 rounding of them)."""
+        if not self._gemv(x):
+            return super().logits(x, weight)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+        return self.k.gemv(x, weight, None, out, DECODE_TOKENS, accumulate=False)
 
     def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:

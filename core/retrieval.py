@@ -193,11 +193,13 @@ class Retrieval:
                                   self.cfg.budget, ids.tolist(), time.perf_counter() - t0, self.cache.nbytes)
 
     def sync(self, level2: Level, target: Level, seq: list[int], committed: int) -> None:
-        """Drop level 2's rejected tokens and give its kept ones the full cache's keys/values."""
+        """Drop level 2's rejected tokens and give every token the full cache holds since the last sync the full
+        cache's keys/values: the ones level 2 drafted, and those of rounds it sat out."""
         valid = common_prefix(target.tokens, seq, committed, len(seq))
         keep = common_prefix(level2.tokens, seq, self.synced, valid)
         level2.cache.truncate(keep)
         del level2.tokens[keep:]
-        if keep > self.synced:
-            self.cache.copy_positions(self.full, self.synced, keep)
-            self.synced = keep
+        if valid > self.synced:
+            self.cache.copy_positions(self.full, self.synced, valid)
+            level2.tokens.extend(seq[keep:valid])
+            self.synced = valid

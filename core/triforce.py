@@ -1,5 +1,6 @@
 """The hierarchical loop: level 1 drafts, level 2 (target + retrieval cache) verifies and drafts for level 3
-(target + full cache), each verification exact speculative sampling."""
+(target + full cache), each verification exact speculative sampling; a planner may leave out levels round by
+round (core.planner)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.drafters import Drafter
-from core.events import Acceptance, DraftProposal, Event, Footprint, Provenance, StepTiming, Verdict
+from core.events import Acceptance, DraftProposal, Event, Footprint, PlanChosen, Provenance, StepTiming, Verdict
 from core.kvcache import KVCache
 from core.levels import Level
 from core.output import Output
+from core.planner import Costs, Estimates, Hierarchy, Planner
 from core.repetition import Repetition
 from core.retrieval import Retrieval
 from core.sampling import distributions, residual_distribution, speculative_verify
@@ -31,45 +33,69 @@ class Draft:
     provenance: list[Provenance] = field(default_factory=list)
     level1_s: float = 0.0
     level2_s: float = 0.0
+    level1_tokens: int = 0  # proposed by level 1
+    level2_forwards: int = 0
+    asked: int = 0  # level-1 tokens asked for, when level 1 drafts for level 3 directly
 
 
 class TriForce:
     """One generation: rounds of level-3 verification until `out` says stop. The target level's full cache must
     hold prompt[:-1]; `queries` are the ones its prefill recorded for the last prompt row (the first selection);
     `retrieval_cache`: where level 2's cache goes (core.memory sizes it); `index_device`: where the chunk index is
-    kept (default: the model's device)."""
+    kept (default: the model's device). Given `estimates` (method auto), a planner chooses each round's hierarchy
+    from them and what it measures; without, every round is TriForce's 1 → 2 → 3 (2 → 3 with drafter none) at the
+    settings' γs."""
 
     def __init__(self, target: Level, prompt: list[int], queries: list[torch.Tensor], drafter: Drafter,
                  cfg: GenerationConfig, generator: torch.Generator, out: Output, retrieval_cache: KVCache,
-                 graphs: Graphs | None = None, index_device: torch.device | None = None):
+                 graphs: Graphs | None = None, index_device: torch.device | None = None,
+                 estimates: Estimates | None = None):
         self.target, self.prompt, self.queries, self.drafter = target, prompt, queries, drafter
         self.cfg, self.generator, self.out = cfg, generator, out
+        level1 = drafter.name != "none"
+        self.planner = Planner(estimates, level1, cfg.gamma1, cfg.gamma2) if estimates else None
         model = target.model
         self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs)
         self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
         self.counts = Acceptance()
+        self.fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2)
+        self.plans: list[str] = []  # the planner's choices, in order
+        self.costs = estimates.costs if estimates else Costs()  # what each level's steps took
 
     def run(self) -> Iterator[Event]:
-        """The rounds' events: proposals, verdicts, tokens, selections, timings."""
+        """The rounds' events: plans, proposals, verdicts, tokens, selections, timings."""
         cfg, target, retrieval = self.cfg, self.target, self.retrieval
         yield retrieval.select(self.queries, -1, 0, target.cache.seq_len)
         seq = list(self.prompt)
         round_ = 0
         feature = None  # the target's hidden state that produced seq's last token (none for the prompt's)
         while not self.out.done:
+            h = self.planner.choose() if self.planner else self.fixed
+            if self.planner and (not self.plans or self.plans[-1] != h.name):
+                self.plans.append(h.name)
+                yield PlanChosen(round_, h.name, self.planner.reason, h.level1, h.level2, h.gamma1, h.gamma2)
             committed = len(seq)
-            draft = yield from self.draft_level2(seq, committed, round_, feature)
+            draft = yield from self.draft(h, seq, committed, round_, feature)
             t0 = time.perf_counter()
-            reselect = retrieval.policy.due(round_)
+            reselect = h.level2 and retrieval.policy.due(round_)
             n = len(draft.tokens)
             h3 = target.states(seq, n + 1, committed, draft.tokens, record=n + 1 if reselect else 0)
             p3 = distributions(self.repetition(target.model.head(h3), seq, draft.tokens), cfg)
-            accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q), p3, self.generator)
+            accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q) if draft.q else None, p3,
+                                                 self.generator)
             feature = h3[accepted]
             level3_s = time.perf_counter() - t0
-            self.counts.level2_proposed += n
-            self.counts.level2_accepted += accepted
+            if h.level2:
+                self.counts.level2_proposed += n
+                self.counts.level2_accepted += accepted
+            elif h.level1:  # level 1 checked by level 3 directly
+                self.counts.level1_proposed += n
+                self.counts.level1_accepted += accepted
+            if self.planner and h.level2:
+                self.planner.level2_checked(n, accepted)
+            elif self.planner and h.level1 and draft.asked:
+                self.planner.level1_checked(3, draft.asked, n, accepted)
             yield Verdict(3, round_, draft.tokens, accepted, token, accepted == n)
             seq += draft.tokens[:accepted] + [token]
             yield self.out.add(draft.tokens[:accepted] + [token], draft.provenance[:accepted] + ["level3"], round_)
@@ -81,28 +107,62 @@ class TriForce:
                 selection_s = event.seconds
                 yield event
             sync_s = time.perf_counter() - t0 - selection_s
+            measured = (draft.level1_tokens, draft.level1_s * 1e3, draft.level2_forwards, draft.level2_s * 1e3,
+                        n + 1, level3_s * 1e3, (sync_s + selection_s) * 1e3)
+            if self.planner:
+                self.planner.observe(*measured)
+            else:
+                self.costs.observe(*measured)
             yield StepTiming(round_, draft.level1_s * 1e3, draft.level2_s * 1e3, (level3_s + sync_s) * 1e3,
                              selection_s * 1e3, accepted + 1)
             round_ += 1
 
     def footprint(self) -> Footprint:
-        """Acceptance at both levels, the drafter and its forwards, the retrieval and level-1 caches' bytes."""
+        """Acceptance at both levels, the drafter and its forwards, the retrieval and level-1 caches' bytes, the
+        planner's choices."""
         level1 = self.drafter.level
         return Footprint(self.counts, self.drafter.name, self.drafter.steps, self.retrieval.cache.nbytes,
-                         level1.cache.nbytes if level1 else 0, level1.model.step_weight_bytes() if level1 else 0)
+                         level1.cache.nbytes if level1 else 0, level1.model.step_weight_bytes() if level1 else 0,
+                         plans=self.plans)
 
-    def draft_level2(self, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
-                     ) -> Generator[Event, None, Draft]:
-        """Level 2 produces up to gamma2 tokens, and no more than the answer still wants, verifying level-1
-        proposals; yields events, returns the draft. `feature`: the hidden state that produced seq's last token, for a
-        drafter that uses it. (The length depends on the emitted count alone, so verification stays exact.)"""
+    def measured(self) -> Costs:
+        """What the steps of each level took in this run."""
+        return self.costs
+
+    def draft(self, h: Hierarchy, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
+              ) -> Generator[Event, None, Draft]:
+        """What the round's hierarchy gives level 3 to check: level 2's tokens, level 1's directly, or nothing
+        (autoregressive); never more than the answer still wants (the length depends on the emitted count alone, so
+        verification stays exact)."""
+        want = min(h.gamma2, self.cfg.max_new_tokens - len(self.out.ids))
+        if h.level2:
+            return (yield from self.draft_level2(seq, committed, round_, feature, h.gamma1 if h.level1 else 0, want))
+        draft = Draft()
+        if h.level1 and want:
+            t0 = time.perf_counter()
+            proposal = self.drafter.propose(seq, want, committed, (), feature)
+            draft.level1_s = time.perf_counter() - t0
+            draft.tokens, draft.asked, draft.level1_tokens = proposal.tokens, want, len(proposal.tokens)
+            if proposal.tokens:
+                q = proposal.q if proposal.q is not None else \
+                    torch.nn.functional.one_hot(torch.tensor(proposal.tokens, device=self.target.model.device),
+                                                self.target.model.args.vocab_size).float()
+                draft.q = list(q)
+                draft.provenance = ["copy" if c else "draft" for c in proposal.copied]
+                yield DraftProposal(round_, proposal.tokens, proposal.copied)
+        return draft
+
+    def draft_level2(self, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None, gamma1: int,
+                     want: int) -> Generator[Event, None, Draft]:
+        """Level 2 produces `want` tokens, verifying up to `gamma1` level-1 proposals per forward; yields events,
+        returns the draft. `feature`: the hidden state that produced seq's last token, for a drafter that uses it."""
         cfg, level2 = self.cfg, self.level2
-        want = min(cfg.gamma2, cfg.max_new_tokens - len(self.out.ids))
         draft = Draft()
         while len(draft.tokens) < want:
             t0 = time.perf_counter()
-            proposals, q1, copied = self.drafter.propose(seq, min(cfg.gamma1, want - len(draft.tokens)), committed,
-                                                         draft.tokens, feature)
+            asked = min(gamma1, want - len(draft.tokens))
+            proposals, q1, copied = self.drafter.propose(seq, asked, committed, draft.tokens, feature) if asked \
+                else ([], None, [])
             t1 = time.perf_counter()
             h2 = level2.states(seq, len(proposals) + 1, committed, draft.tokens + proposals)
             p2 = distributions(self.repetition(level2.model.head(h2), seq, draft.tokens + proposals), cfg)
@@ -112,6 +172,10 @@ class TriForce:
             draft.level2_s += time.perf_counter() - t1
             self.counts.level1_proposed += len(proposals)
             self.counts.level1_accepted += accepted
+            draft.level1_tokens += len(proposals)
+            draft.level2_forwards += 1
+            if self.planner and asked:
+                self.planner.level1_checked(2, asked, len(proposals), accepted)
             if proposals:
                 yield DraftProposal(round_, proposals, copied)
             yield Verdict(2, round_, proposals, accepted, token, accepted == len(proposals))

@@ -161,7 +161,7 @@ def test_build_config_reads_text_blanks_and_defaults() -> None:
     config = build_config("triforce", {"budget": " 256 ", "gamma2": "", "max_new_tokens": "32", "temperature": "0.5",
                                        "reselect": " once ", "document": "ignored"})
     assert (config.budget, config.gamma2, config.max_new_tokens, config.temperature) == (256, None, 32, 0.5)
-    assert build_config("triforce", {}) == GenerationConfig().validate()  # a missing setting keeps its default
+    assert build_config("triforce", {}) == GenerationConfig(method="triforce").validate()  # missing: the default
     top = 2**63 - 1  # the largest seed, exact as a number and as text (a float would round it past the limit)
     assert build_config("triforce", {"seed": top}).seed == build_config("triforce", {"seed": str(top)}).seed == top
     for name, raw, message in (("max_new_tokens", "many", "Max new tokens must be a whole number, got 'many'"),

@@ -136,10 +136,11 @@ def test_level2_drafts_no_more_than_the_answer_wants(monkeypatch, drafter):
 
 
 def test_warm_up_runs_each_path_and_keeps_no_prompt_cache(embedded):
-    """Engine.warm_up (the app runs it before serving on a GPU) goes through AR, greedy and sampled TriForce on a
-    real prompt, then gives back its caches, so a first request starts clean."""
+    """Engine.warm_up (the app runs it before serving on a GPU) goes through AR, greedy and sampled TriForce and
+    method auto on a real prompt, then gives back its caches, so a first request starts clean."""
     stats = embedded.warm_up(new_tokens=4)
-    assert [(s.method, s.settings["greedy"]) for s in stats] == [("ar", True), ("triforce", True), ("triforce", False)]
+    assert [(s.method, s.settings["greedy"]) for s in stats] == [("ar", True), ("triforce", True), ("triforce", False),
+                                                                 ("auto", False)]
     assert all(s.new_tokens > 0 and s.prompt_tokens > 500 for s in stats)
     assert stats[2].level2_proposed > 0
     assert not embedded.memory.caches()

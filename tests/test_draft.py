@@ -61,7 +61,8 @@ def test_fusion_changes_what_the_draft_proposes_not_the_answer(embedded):
     doc = DOC.read_text()[:3000]
     runs = {}
     for fusion in (True, False):
-        cfg = GenerationConfig(greedy=True, max_new_tokens=24, budget=256, lookup_min=0, draft_fusion=fusion)
+        cfg = GenerationConfig(method="triforce", greedy=True, max_new_tokens=24, budget=256, lookup_min=0,
+                               draft_fusion=fusion)
         events = list(embedded.generate(doc, "What does the document say about the King?", cfg))
         runs[fusion] = (next(e for e in events if isinstance(e, Finished)).token_ids,
                         [e.tokens for e in events if isinstance(e, DraftProposal)])

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
+from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.kvcache import KVCache
 from core.levels import Level
@@ -314,3 +315,100 @@ def test_graph_replayed_decoding_matches_eager(triton):
     assert m["graphs_count"] >= 2, "no decode step ran from a CUDA graph"
     assert m["graph_tokens_equal"] and m["graph_vs_triton_eager_tokens_equal"]
     assert_small({k: v for k, v in m.items() if k.endswith("_rel")})
+
+
+# --- batch invariance: row i of a k-token step is bitwise the one-token step at its position -------------------------
+
+# q heads, KV heads, head dim, keys cached before the step: MHA (7B), GQA 4 (8B), 6 (Qwen 1.5B), 7 (Qwen 0.5B), 3
+INVARIANCE = [(32, 32, 128, 4097), (32, 8, 128, 100_000), (12, 2, 128, 30_000), (14, 2, 64, 777), (9, 3, 64, 2000)]
+
+
+@pytest.mark.parametrize("case", INVARIANCE, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}_L{c[3]}")
+def test_attention_rows_of_a_many_token_step_equal_one_token_steps(triton, case):
+    hq, hkv, d, past = case
+    g = torch.Generator(DEV).manual_seed(past)
+    kc, vc = randn(hkv, past + 64, d, g=g), randn(hkv, past + 64, d, g=g)  # the new tokens' keys already stored
+    for k in range(2, DECODE_TOKENS + 1):
+        q = randn(hq, k, d, g=g)
+        many = triton.k.decode_attention(q, kc, vc, torch.tensor([past, past], device=DEV))
+        for i in range(k):
+            one = triton.k.decode_attention(q[:, i:i + 1].contiguous(), kc, vc,
+                                            torch.tensor([past + i, past + i], device=DEV))
+            assert torch.equal(many[:, i], one[:, 0]), (k, i)
+
+
+@pytest.mark.parametrize("shape", [(1536, 8960), (17920, 1536), (151936, 1536), (4096, 4096), (576, 49152)])
+def test_projection_rows_of_a_many_token_step_equal_one_token_steps(triton, shape):
+    """The GEMV as a plain projection, with a bias, added into a residual, and as float32 LM-head logits."""
+    n_out, k_in = shape
+    g = torch.Generator(DEV).manual_seed(n_out)
+    w, b = randn(n_out, k_in, g=g) / k_in ** 0.5, randn(n_out, g=g)
+    for k in (2, 3, 7, 13, 16):
+        x, r = randn(k, k_in, g=g), randn(k, n_out, g=g)
+        outs = (triton.linear(x, w), triton.linear(x, w, b), triton.linear_add(r.clone(), x, w), triton.logits(x, w))
+        for i in range(k):
+            ones = (triton.linear(x[i:i + 1], w), triton.linear(x[i:i + 1], w, b),
+                    triton.linear_add(r[i:i + 1].clone(), x[i:i + 1], w), triton.logits(x[i:i + 1], w))
+            for many, one in zip(outs, ones):
+                assert torch.equal(many[i], one[0]), (k, i)
+        assert outs[3].dtype == torch.float32
+
+
+def test_norm_rope_store_and_swiglu_rows_equal_one_token_steps(triton):
+    g = torch.Generator(DEV).manual_seed(11)
+    x, w = randn(16, 1536, g=g), randn(1536, g=g)
+    gate_up = randn(16, 2 * 8960, g=g)
+    q, kv = randn(16, 12, 128, g=g), randn(16, 2, 128, g=g)
+    ang = randn(16, 64, g=g, dtype=torch.float32)
+    cos, sin = torch.cat((ang, ang), -1).cos().to(BF16), torch.cat((ang, ang), -1).sin().to(BF16)
+    for k in (2, 7, 16):
+        norm, act = triton.rms_norm(x[:k], w, 1e-6), triton.silu_mul(gate_up[:k])
+        caches = torch.zeros(2, 2, 64, 128, device=DEV, dtype=BF16), torch.zeros(2, 2, 64, 128, device=DEV, dtype=BF16)
+        rotated = triton.k.rope_store(q[:k], kv[:k], kv[:k], cos[:k], sin[:k], caches[0][0], caches[1][0],
+                                      torch.tensor([0, 8], device=DEV))
+        for i in range(k):
+            assert torch.equal(norm[i], triton.rms_norm(x[i:i + 1], w, 1e-6)[0])
+            assert torch.equal(act[i], triton.silu_mul(gate_up[i:i + 1])[0])
+            one = triton.k.rope_store(q[i:i + 1], kv[i:i + 1], kv[i:i + 1], cos[i:i + 1], sin[i:i + 1], caches[0][1],
+                                      caches[1][1], torch.tensor([0, 8 + i], device=DEV))
+            assert torch.equal(rotated[:, i], one[:, 0])
+        assert torch.equal(caches[0][0][:, 8:8 + k], caches[0][1][:, 8:8 + k])
+
+
+def near_tie_engine():
+    """A random GQA model (12/2 heads, head dim 128, as Qwen2.5-1.5B) whose LM head is scaled down, so that its top
+    two logits often lie within bf16 rounding of each other, with a smaller random draft of the same vocabulary."""
+    from core.engine import Engine
+    from tests.tiny import DigitTokenizer
+    shape = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=128, max_position_embeddings=32768,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        target = Transformer(LlamaConfig(**{**shape, "num_attention_heads": 12, "num_key_value_heads": 2}))
+        draft = Transformer(LlamaConfig(**{**shape, "num_hidden_layers": 1}))
+    for model in (target, draft):
+        model.to(BF16).eval().requires_grad_(False)
+        model.fuse_projections()
+        model.eos_ids = set()
+    target.lm_head.weight.mul_(0.02)
+    return Engine.from_models(target, DigitTokenizer(), "near-tie", draft, "draft", 8192)
+
+
+@pytest.mark.parametrize("drafter,level2_cache,offload", [("none", "retrieval", "off"), ("ngram", "retrieval", "off"),
+                                                          ("model", "retrieval", "off"), ("model", "streaming", "off"),
+                                                          ("model", "retrieval", "on"), ("none", "retrieval", "on")])
+def test_greedy_triforce_equals_autoregressive_in_bf16_where_logits_nearly_tie(triton, drafter, level2_cache, offload):
+    from core.events import Finished
+    engine = near_tie_engine()
+    prompt = torch.randint(0, 4096, (3000,), generator=torch.Generator().manual_seed(1)).tolist()
+    base = dict(greedy=True, max_new_tokens=64, budget=512, drafter=drafter, level2_cache=level2_cache,
+                offload=offload)
+    with torch.inference_mode():
+        ar = next(e for e in engine.generate_ids(prompt, GenerationConfig(method="ar", **base))
+                  if isinstance(e, Finished))
+        for gamma2 in (6, 15, 20):  # 21 new tokens: level 3 is fed in two decode steps
+            tf = next(e for e in engine.generate_ids(prompt, GenerationConfig(gamma2=gamma2, **base))
+                      if isinstance(e, Finished))
+            assert tf.token_ids == ar.token_ids, (gamma2, tf.stats.level2_acceptance)
+    assert sum(m < 0.05 for _, m in ar.stats.near_ties) >= 5  # the premise: many steps decided by a near-tie

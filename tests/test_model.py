@@ -123,3 +123,23 @@ def test_fused_projections_keep_no_copy_of_the_separate_weights():
     att, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert old() is None
     assert att.q_proj.weight.data_ptr() == att.wqkv.data_ptr() and mlp.gate_proj.weight.data_ptr() == mlp.w13.data_ptr()
+
+
+def test_row_wise_cpu_ops_compute_each_row_as_a_one_row_input():
+    """On a CPU the row-wise operators (RMSNorm, RoPE, SwiGLU) give row i of a k-row input bit for bit what a 1-row
+    input gives; projections go to the BLAS library, whose blocking may depend on the row count, so bitwise
+    identity of a whole step is a property of the GPU kernels (tests/test_gpu.py), not promised here."""
+    from core.ops import TORCH
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 576, generator=g), torch.randn(576, generator=g)
+    heads = torch.randn(16, 9, 64, generator=g)
+    ang = torch.randn(16, 32, generator=g)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    gate_up = torch.randn(16, 3072, generator=g)
+    for k in (2, 7, 16):
+        norm, rope, act = TORCH.rms_norm(x[:k], w, 1e-5), TORCH.rope_heads(heads[:k], cos[:k], sin[:k]), \
+            TORCH.silu_mul(gate_up[:k])
+        for i in range(k):
+            assert torch.equal(norm[i], TORCH.rms_norm(x[i:i + 1], w, 1e-5)[0])
+            assert torch.equal(rope[:, i], TORCH.rope_heads(heads[i:i + 1], cos[i:i + 1], sin[i:i + 1])[:, 0])
+            assert torch.equal(act[i], TORCH.silu_mul(gate_up[i:i + 1])[0])

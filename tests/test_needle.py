@@ -32,7 +32,7 @@ def test_retrieval_keeps_the_needle_and_beats_streaming(embedded):
     needle = needle_chunks(embedded.tokenizer, ar.prompt_ids, 8)
     kept, acceptance = {}, {}
     for kind in ("retrieval", "streaming"):
-        events = list(embedded.generate(doc, QUESTION, GenerationConfig(level2_cache=kind, **common)))
+        events = list(embedded.generate(doc, QUESTION, GenerationConfig(method="triforce", level2_cache=kind, **common)))
         finished = events[-1]
         assert isinstance(finished, Finished) and finished.token_ids == ar.token_ids, kind
         heads = [set(ids) for layer in next(e for e in events if isinstance(e, RetrievalSelection)).chunk_ids

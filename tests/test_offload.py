@@ -59,7 +59,7 @@ def engine() -> Engine:
 
 
 def finish(engine: Engine, **settings) -> Finished:
-    cfg = GenerationConfig(**settings).validate()
+    cfg = GenerationConfig(**{"method": "triforce", **settings}).validate()
     with torch.no_grad():
         return [e for e in engine.generate_ids(PROMPT, cfg) if isinstance(e, Finished)][0]
 

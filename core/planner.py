@@ -1,0 +1,254 @@
+"""Choosing the hierarchy as a run goes: which levels a round uses and how many tokens each drafts, from measured
+step costs and the acceptance seen so far.
+
+TriForce pays only where reading the full KV cache is the expensive part of a step; elsewhere its extra levels are
+overhead. So each round the planner picks among four hierarchies -- autoregressive (level 3 alone), level 1 → 3
+(classic two-model speculative decoding), level 2 → 3 (self-speculation on the retrieval cache) and 1 → 2 → 3
+(TriForce) -- and their γs. Every one verifies exactly as the others do, so a plan changes the speed, never the
+output distribution. A verification of γ drafts, each accepted with probability α, emits 1 + α + ... + α^γ tokens
+(Leviathan et al., 2023); divided by the round's cost, measured level by level, that is each candidate's speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SWITCH_GAIN = 1.10  # another plan must be expected this much faster to replace the current one
+MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it
+MAX_SWITCHES = 6  # per run, once the costs are measured
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """The levels a round uses: `level1` drafts (a draft model or prompt lookup); `level2` (the target on the
+    retrieval cache) checks level 1 and drafts for level 3; `gamma1` level-1 tokens per level-2 check, `gamma2`
+    drafted tokens per level-3 check (0: autoregressive)."""
+
+    level1: bool
+    level2: bool
+    gamma1: int = 0
+    gamma2: int = 0
+
+    @property
+    def name(self) -> str:
+        if not self.gamma2:
+            return "autoregressive"
+        if self.level1 and self.level2:
+            return f"levels 1 → 2 → 3 (γ1 {self.gamma1}, γ2 {self.gamma2})"
+        return f"levels {1 if self.level1 else 2} → 3 (γ {self.gamma2})"
+
+
+AUTOREGRESSIVE = Hierarchy(False, False)
+
+
+@dataclass
+class Acceptance:
+    """Drafts verified and accepted at one check. A draft after a rejection is never verified, so accepted /
+    verified estimates the per-token acceptance probability α (accepted / proposed would underrate long drafts)."""
+
+    verified: float = PRIOR_WEIGHT
+    accepted: float = PRIOR_WEIGHT / 2
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.verified
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.verified += accepted + (proposed > accepted)
+        self.accepted += accepted
+
+
+def prior(alpha: float) -> Acceptance:
+    """An acceptance estimate before any verification: α worth PRIOR_WEIGHT observations."""
+    return Acceptance(PRIOR_WEIGHT, PRIOR_WEIGHT * alpha)
+
+
+def blend(old: float | None, new: float, weight: float = 0.3) -> float:
+    """Exponential moving average (the first measurement taken as it is)."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+@dataclass
+class Costs:
+    """Measured milliseconds (None until seen): a level-1 draft per proposed token, a level-2 forward, a level-3
+    forward by its number of new tokens, and the per-round overhead of keeping level 2's cache in step."""
+
+    level1: float | None = None
+    level2: float | None = None
+    level3: dict[int, float] = field(default_factory=dict)
+    overhead: float = 0.0
+
+    def verify(self, rows: int) -> float | None:
+        """A level-3 forward over `rows` new tokens: measured, else linear through the nearest measured sizes (flat
+        from a single one)."""
+        if rows in self.level3 or not self.level3:
+            return self.level3.get(rows)
+        sizes = sorted(self.level3)
+        below = [r for r in sizes if r < rows]
+        above = [r for r in sizes if r > rows]
+        a, b = (below[-1], above[0]) if below and above else (sizes[0], sizes[-1])
+        if a == b:
+            return self.level3[a]
+        return max(0.0, self.level3[a] + (self.level3[b] - self.level3[a]) * (rows - a) / (b - a))
+
+    def observe(self, level1_tokens: int, level1_ms: float, level2_forwards: int, level2_ms: float,
+                level3_rows: int, level3_ms: float, overhead_ms: float) -> None:
+        """One round's measurements: level 1's time for the tokens it proposed, level 2's for its forwards, the
+        level-3 forward over `level3_rows` new tokens, and the round's overhead."""
+        if level1_tokens:
+            self.level1 = blend(self.level1, level1_ms / level1_tokens)
+        if level2_forwards:
+            self.level2 = blend(self.level2, level2_ms / level2_forwards)
+            self.overhead = blend(self.overhead, overhead_ms)
+        self.level3[level3_rows] = blend(self.level3.get(level3_rows), level3_ms)
+
+
+class CostBook:
+    """Costs measured by earlier runs of one engine, so that a run starts from them: level-3 steps by regime
+    (offloaded or not) and prompt length (its power of two), levels 1 and 2 also by budget and drafter."""
+
+    def __init__(self):
+        self.level3: dict[tuple, dict[int, float]] = {}
+        self.levels: dict[tuple, tuple[float | None, float | None, float]] = {}
+
+    @staticmethod
+    def _keys(offloaded: bool, prompt_tokens: int, budget: int, drafter: str) -> tuple[tuple, tuple]:
+        regime = (offloaded, prompt_tokens.bit_length())
+        return regime, (*regime, budget, drafter)
+
+    def costs(self, offloaded: bool, prompt_tokens: int, budget: int, drafter: str) -> Costs:
+        """What is known for a run of this kind (a copy: the run's measurements go back through learn)."""
+        regime, run = self._keys(offloaded, prompt_tokens, budget, drafter)
+        level1, level2, overhead = self.levels.get(run, (None, None, 0.0))
+        return Costs(level1, level2, dict(self.level3.get(regime, {})), overhead)
+
+    def learn(self, offloaded: bool, prompt_tokens: int, budget: int, drafter: str, costs: Costs) -> None:
+        regime, run = self._keys(offloaded, prompt_tokens, budget, drafter)
+        self.level3.setdefault(regime, {}).update(costs.level3)
+        if costs.level2 is not None or costs.level1 is not None:
+            self.levels[run] = (costs.level1, costs.level2, costs.overhead)
+
+
+def expected_tokens(alpha: float, gamma: float) -> float:
+    """Tokens a verification of `gamma` drafts emits on average: the accepted ones and one correction or bonus."""
+    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class Estimates:
+    """What the planner knows: the costs, the acceptance of level 1 at level 2 (a1), of level 2 at level 3 (a2) and
+    of level 1 directly at level 3 (a13: a1 until measured), and the share of asked level-1 tokens a drafter gives
+    (prompt lookup proposes nothing without a match)."""
+
+    costs: Costs = field(default_factory=Costs)
+    a1: Acceptance = field(default_factory=lambda: prior(0.5))
+    a2: Acceptance = field(default_factory=lambda: prior(0.8))
+    a13: Acceptance | None = None
+    offered: Acceptance = field(default_factory=lambda: prior(1.0))  # verified: asked; accepted: given
+
+
+def rate(h: Hierarchy, e: Estimates) -> float | None:
+    """Expected tokens per millisecond of `h` (None while a cost it needs is unmeasured)."""
+    c = e.costs
+    verify = c.verify(h.gamma2 + 1)
+    if verify is None or (h.level1 and c.level1 is None) or (h.level2 and c.level2 is None):
+        return None
+    if not h.gamma2:
+        return 1.0 / verify
+    given = e.offered.rate
+    if h.level2:  # level 2 makes γ2 tokens, each level-2 forward checking γ1 level-1 tokens when level 1 drafts
+        per_forward = expected_tokens(e.a1.rate, given * h.gamma1) if h.level1 else 1.0
+        forward = c.level2 + (h.gamma1 * given * c.level1 if h.level1 else 0.0)
+        return expected_tokens(e.a2.rate, h.gamma2) / (h.gamma2 * forward / per_forward + verify + c.overhead)
+    alpha = (e.a13 or e.a1).rate
+    return expected_tokens(alpha, given * h.gamma2) / (given * h.gamma2 * c.level1 + verify)
+
+
+def candidates(level1: bool, gamma1_max: int, gamma2_max: int) -> list[Hierarchy]:
+    """Every hierarchy and γ a run may use (level 1 only where a drafter is there)."""
+    out = [AUTOREGRESSIVE] + [Hierarchy(False, True, 0, g) for g in range(1, gamma2_max + 1)]
+    if level1:
+        out += [Hierarchy(True, False, 0, g) for g in range(1, gamma2_max + 1)]
+        out += [Hierarchy(True, True, g1, g2) for g1 in range(1, gamma1_max + 1) for g2 in range(1, gamma2_max + 1)]
+    return out
+
+
+def best(options: list[Hierarchy], e: Estimates) -> tuple[Hierarchy, float] | None:
+    """The option with the highest expected rate, and that rate (None while no option's rate is known)."""
+    rated = [(r, h) for h in options if (r := rate(h, e)) is not None]
+    return max(rated, key=lambda x: x[0])[::-1] if rated else None
+
+
+@dataclass
+class Planner:
+    """One run's hierarchy, round by round. While costs are unmeasured it measures: a round of the fullest
+    hierarchy, then an autoregressive one. Then it keeps its plan unless another is expected SWITCH_GAIN times
+    faster, the plan has run MIN_ROUNDS rounds and fewer than MAX_SWITCHES switches were made."""
+
+    estimates: Estimates
+    level1: bool
+    gamma1_max: int
+    gamma2_max: int
+    current: Hierarchy | None = None
+    rounds: int = 0  # in the current plan
+    switches: int = 0
+    reason: str = ""  # why the current plan was chosen
+
+    def choose(self) -> Hierarchy:
+        """The hierarchy of the next round."""
+        c = self.estimates.costs
+        fullest = Hierarchy(self.level1, True, self.gamma1_max if self.level1 else 0, min(6, self.gamma2_max))
+        if c.level2 is None or (self.level1 and c.level1 is None) or not set(c.level3) - {1}:
+            return self._set(fullest, "measuring what each level costs")
+        if 1 not in c.level3:
+            return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
+        h, r = best(candidates(self.level1, self.gamma1_max, self.gamma2_max), self.estimates)
+        now = rate(self.current, self.estimates) if self.current else None
+        settled = self.rounds >= MIN_ROUNDS and self.switches < MAX_SWITCHES
+        fresh = self.reason.startswith("measuring")
+        if fresh or now is None or (h != self.current and settled and r > SWITCH_GAIN * now):
+            return self._set(h, self.explain(h, r))
+        return self.current
+
+    def explain(self, h: Hierarchy, r: float) -> str:
+        """One line on why `h` was chosen: its expected speed over autoregressive decoding and the costs behind it."""
+        c = self.estimates.costs
+        ar = rate(AUTOREGRESSIVE, self.estimates)
+        parts = [f"expected {r / ar:.2f}× autoregressive" if ar else ""]
+        if c.level2 is not None and 1 in c.level3:
+            parts.append(f"a level-2 step costs {c.level2 / c.level3[1]:.0%} of a full one")
+        if c.level1 is not None and 1 in c.level3:
+            parts.append(f"a level-1 token {c.level1 / c.level3[1]:.0%}")
+        parts.append(f"acceptance L1 {self.estimates.a1.rate:.2f}, L2 {self.estimates.a2.rate:.2f}")
+        return "; ".join(p for p in parts if p)
+
+    def _set(self, h: Hierarchy, reason: str) -> Hierarchy:
+        if h != self.current:
+            if self.current is not None and not self.reason.startswith("measuring"):
+                self.switches += 1
+            self.current, self.rounds = h, 0
+        self.reason = reason
+        return h
+
+    def observe(self, *measured: float) -> None:
+        """One round's measured costs (as Costs.observe takes them)."""
+        self.rounds += 1
+        self.estimates.costs.observe(*measured)
+
+    def level1_checked(self, by: int, asked: int, proposed: int, accepted: int) -> None:
+        """Level 1 was asked for `asked` tokens, proposed `proposed`, and level `by` (2, or 3 directly) accepted
+        `accepted` of them."""
+        e = self.estimates
+        e.offered.verified += asked
+        e.offered.accepted += proposed
+        if by == 2:
+            e.a1.add(proposed, accepted)
+            return
+        if e.a13 is None:
+            e.a13 = Acceptance(e.a1.verified, e.a1.accepted)
+        e.a13.add(proposed, accepted)
+
+    def level2_checked(self, proposed: int, accepted: int) -> None:
+        """Level 3 accepted `accepted` of level 2's `proposed` tokens."""
+        self.estimates.a2.add(proposed, accepted)
