@@ -10,7 +10,7 @@ from typing import Any
 
 import gradio as gr
 
-from core import GenerationConfig, TriForceError
+from core import GenerationConfig, TriForceError, compare
 from core.prompting import document_fit
 
 from app.documents import DocumentError, load_samples, read_document
@@ -207,10 +207,10 @@ def comparison_summary(ar: RunState, tf: RunState, greedy: bool) -> tuple[str, d
     lines = [f"### Speedup (decode tokens/s): {speedup:.2f}×" if speedup else "### Speedup: –"]
     if greedy and ar.finished and tf.finished:
         identical = ar.token_ids == tf.token_ids
-        first_difference = next((i for i, (a, b) in enumerate(zip(ar.token_ids, tf.token_ids)) if a != b),
-                                None if identical else min(len(ar.token_ids), len(tf.token_ids)))
+        first_difference = compare.first_difference(ar.token_ids, tf.token_ids)
+        note = compare.difference_note(ar.token_ids, tf.token_ids, (ar.final_stats or {}).get("near_ties") or [])
         lines.append(f"✅ **Token-identical**: both produced the same {len(tf.token_ids)} tokens (greedy)." if identical
-                     else f"❌ **Outputs differ** from token {first_difference} on (greedy decoding should match).")
+                     else f"❌ **Not token-identical**: {note}.")
     elif not greedy:
         lines.append("Sampling is on: outputs may differ token by token (both follow the target's distribution). "
                      "Tick *greedy* for a token-identity check.")

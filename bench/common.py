@@ -85,6 +85,18 @@ def save(name: str, payload: dict) -> Path:
     return path
 
 
+def merge_summary(name: str, section: str, figures: dict) -> Path:
+    """Add `figures` to summary[section] of today's results file `name` (several benchmarks each add theirs; the
+    command and date of each addition are kept), and save it."""
+    path = RESULTS / f"{name}-{dt.date.today().isoformat()}.json"
+    data = json.loads(path.read_text()) if path.exists() else {"summary": {}, "sources": []}
+    merged = data["summary"].setdefault(section, {})
+    for key, value in figures.items():
+        merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+    data["sources"].append({**environment(), "keys": sorted(figures)})
+    return save(name, data)
+
+
 # --- GPU benchmarks: model shapes with random weights ---------------------------------------------------------------
 
 def _shape(vocab: int, dim: int, inter: int, layers: int, heads: int, kv_heads: int, rope: dict, tie: bool,

@@ -20,7 +20,8 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from bench.common import DOCS, LLAMA2_7B, LLAMA31_8B, LLAMA32_1B, LLAMA_68M, RESULTS, environment, random_model, save
+from bench.common import (DOCS, LLAMA2_7B, LLAMA31_8B, LLAMA32_1B, LLAMA_68M, RESULTS, environment, merge_summary,
+                          random_model, save)
 from core import Engine, GenerationConfig
 from core.events import Finished, StepTiming
 from core.kvcache import pinned_empty
@@ -85,7 +86,7 @@ def run(engine: Engine, doc: str, cfg: GenerationConfig) -> dict:
            "prefill_s": s.prefill_s, "prefill_reused": s.prefill_reused, "offloaded": s.offloaded,
            "host_link_gb_per_token": s.host_link_bytes / s.new_tokens / 1e9,
            "level1_acceptance": s.level1_acceptance, "level2_acceptance": s.level2_acceptance,
-           "tokens_per_target_forward": s.tokens_per_target_forward, "settings": s.settings,
+           "tokens_per_target_forward": s.tokens_per_target_forward, "settings": s.settings, "plans": s.plans,
            **{k: v / max(s.new_tokens, 1) for k, v in levels.items()}, "token_ids": fin.token_ids}
     print(json.dumps({k: v for k, v in out.items() if k not in ("token_ids", "settings")}), flush=True)
     return out
@@ -141,16 +142,20 @@ def shape_run(name: str, tok, args, bw: float) -> dict:
     short = document(tok, 3000)  # compiles kernels and captures graphs outside the timed runs
     warm = dict(max_new_tokens=args.new_tokens, offload="on")
     run(engine, short, GenerationConfig(method="ar", greedy=True, **{**warm, "max_new_tokens": 4}))
-    run(engine, short, GenerationConfig(greedy=True, **warm))
-    run(engine, short, GenerationConfig(temperature=0.6, top_p=0.9, **warm))
+    run(engine, short, GenerationConfig(method="triforce", greedy=True, **warm))
+    run(engine, short, GenerationConfig(method="triforce", temperature=0.6, top_p=0.9, **warm))
+    run(engine, short, GenerationConfig(method="auto", temperature=0.6, top_p=0.9, **warm))
     engine.release()  # the short prompt's caches and graphs: the long runs cannot reuse them
     warm_gib = {"allocated": torch.cuda.memory_allocated() / 2**30, "reserved": torch.cuda.memory_reserved() / 2**30}
     print(f"{name}: GPU memory after the warm-up runs {warm_gib}", flush=True)
     doc = document(tok, args.context - 200)
     t0 = time.perf_counter()  # the first run page-locks the host cache and prefills; the others reuse both
-    sampled = run(engine, doc, GenerationConfig(temperature=0.6, top_p=0.9, max_new_tokens=args.new_tokens))
+    sampled = run(engine, doc, GenerationConfig(method="triforce", temperature=0.6, top_p=0.9,
+                                                max_new_tokens=args.new_tokens))
     first_run_s = time.perf_counter() - t0
-    greedy = run(engine, doc, GenerationConfig(greedy=True, max_new_tokens=args.new_tokens))
+    greedy = run(engine, doc, GenerationConfig(method="triforce", greedy=True, max_new_tokens=args.new_tokens))
+    auto = run(engine, doc, GenerationConfig(method="auto", temperature=0.6, top_p=0.9,
+                                             max_new_tokens=args.new_tokens))
     ar = run(engine, doc, GenerationConfig(method="ar", greedy=True, max_new_tokens=args.ar_tokens))
     a = engine.target.args
     kv_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 2 * ar["prompt_tokens"]
@@ -160,7 +165,7 @@ def shape_run(name: str, tok, args, bw: float) -> dict:
         "gpu_memory_after_warmup_gib": warm_gib,
         "full_kv_gb": kv_bytes / 1e9, "ar_roofline_ms": kv_bytes / bw / 1e6, "first_run_s": first_run_s,
         "greedy_identical": greedy["token_ids"][:len(ar["token_ids"])] == ar["token_ids"],
-        "runs": [ar, sampled, greedy]}
+        "runs": [ar, sampled, greedy, auto]}
     for r in result["runs"]:
         r["projected_ms_per_token_pcie4"] = projected_ms(r, bw)
     del engine
@@ -185,8 +190,11 @@ def main() -> None:
     selection = [selection_cost(name, args.context) for name in args.shapes] if "selection" in args.parts else []
     shapes = {name: shape_run(name, tok, args, bw) for name in args.shapes} if "runs" in args.parts else {}
     summary = {"h2d_gb_s": bw} if shapes else {}  # the bandwidth the runs' rooflines divide by
+    planner = {}
     for name, r in shapes.items():
-        ar, sampled, greedy = r["runs"]
+        ar, sampled, greedy, auto = r["runs"]
+        planner[f"random_{name}_offload_128k"] = ar["ms_per_token"] / auto["ms_per_token"]
+        planner.setdefault("choices", {})[f"random {name} offloaded 128K"] = auto["plans"]
         key = "7b_128k" if name == "7b" else "8b_gqa_128k"
         summary.update({f"ar_ms_{key}": ar["ms_per_token"], f"ar_roofline_ms_{key}": r["ar_roofline_ms"],
                         f"tf_ms_{key}": sampled["ms_per_token"], f"tf_greedy_ms_{key}": greedy["ms_per_token"],
@@ -196,7 +204,9 @@ def main() -> None:
                         f"l2_acceptance_greedy_{name}": greedy["level2_acceptance"],
                         f"greedy_identical_{name}": r["greedy_identical"],
                         f"speedup_{key}_pcie4_projected": ar["projected_ms_per_token_pcie4"] /
-                        sampled["projected_ms_per_token_pcie4"]})
+                        sampled["projected_ms_per_token_pcie4"],
+                        f"speedup_auto_{key}": ar["ms_per_token"] / auto["ms_per_token"],
+                        f"l2_acceptance_auto_{name}": auto["level2_acceptance"]})
     if shapes:
         summary["greedy_identical"] = all(r["greedy_identical"] for r in shapes.values())
     for r in selection:
@@ -212,6 +222,8 @@ def main() -> None:
                "shapes": {**old.get("shapes", {}), **shapes}, "selection": selection or old.get("selection", [])}
     print(json.dumps(summary, indent=1))
     print(f"saved {save(name, payload)}")
+    if planner:
+        print(f"planner figures merged into {merge_summary('planner', 'planner', planner)}")
 
 
 if __name__ == "__main__":

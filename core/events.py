@@ -129,22 +129,41 @@ class StepTiming(Event):
     tokens: int
 
 
+def verified(proposed: int, accepted: int) -> int:
+    """Drafts a verification looked at: the accepted ones, and the one it rejected, if any (it stops there)."""
+    return accepted + (accepted < proposed)
+
+
 @dataclass
 class Acceptance:
-    """Tokens each level proposed to the level above, and how many that level accepted."""
+    """Tokens each level proposed to the level above, how many that level verified and how many it accepted. A draft
+    after a rejected one is never verified, so the acceptance, accepted / verified, is the per-token probability a
+    draft passes (what the paper reports); accepted / proposed would also fall with longer drafts."""
 
     level1_proposed: int = 0
+    level1_verified: int = 0
     level1_accepted: int = 0
     level2_proposed: int = 0
+    level2_verified: int = 0
     level2_accepted: int = 0
+
+    def count(self, level: int, proposed: int, accepted: int) -> None:
+        """One verification of `proposed` drafts from `level` (1 or 2), the first `accepted` of them kept."""
+        looked = verified(proposed, accepted)
+        if level == 1:
+            self.level1_proposed, self.level1_verified = self.level1_proposed + proposed, self.level1_verified + looked
+            self.level1_accepted += accepted
+        else:
+            self.level2_proposed, self.level2_verified = self.level2_proposed + proposed, self.level2_verified + looked
+            self.level2_accepted += accepted
 
     @property
     def level1_acceptance(self) -> float:
-        return self.level1_accepted / self.level1_proposed if self.level1_proposed else 0.0
+        return self.level1_accepted / self.level1_verified if self.level1_verified else 0.0
 
     @property
     def level2_acceptance(self) -> float:
-        return self.level2_accepted / self.level2_proposed if self.level2_proposed else 0.0
+        return self.level2_accepted / self.level2_verified if self.level2_verified else 0.0
 
 
 @dataclass

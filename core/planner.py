@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.events import verified
+
 SWITCH_GAIN = 1.10  # another plan must be expected this much faster to replace the current one
 MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it
 MAX_SWITCHES = 6  # per run, once the costs are measured
@@ -43,7 +45,7 @@ AUTOREGRESSIVE = Hierarchy(False, False)
 
 
 @dataclass
-class Acceptance:
+class Estimate:
     """Drafts verified and accepted at one check. A draft after a rejection is never verified, so accepted /
     verified estimates the per-token acceptance probability α (accepted / proposed would underrate long drafts)."""
 
@@ -55,13 +57,13 @@ class Acceptance:
         return self.accepted / self.verified
 
     def add(self, proposed: int, accepted: int) -> None:
-        self.verified += accepted + (proposed > accepted)
+        self.verified += verified(proposed, accepted)
         self.accepted += accepted
 
 
-def prior(alpha: float) -> Acceptance:
+def prior(alpha: float) -> Estimate:
     """An acceptance estimate before any verification: α worth PRIOR_WEIGHT observations."""
-    return Acceptance(PRIOR_WEIGHT, PRIOR_WEIGHT * alpha)
+    return Estimate(PRIOR_WEIGHT, PRIOR_WEIGHT * alpha)
 
 
 def blend(old: float | None, new: float, weight: float = 0.3) -> float:
@@ -142,10 +144,10 @@ class Estimates:
     (prompt lookup proposes nothing without a match)."""
 
     costs: Costs = field(default_factory=Costs)
-    a1: Acceptance = field(default_factory=lambda: prior(0.5))
-    a2: Acceptance = field(default_factory=lambda: prior(0.8))
-    a13: Acceptance | None = None
-    offered: Acceptance = field(default_factory=lambda: prior(1.0))  # verified: asked; accepted: given
+    a1: Estimate = field(default_factory=lambda: prior(0.5))
+    a2: Estimate = field(default_factory=lambda: prior(0.8))
+    a13: Estimate | None = None
+    offered: Estimate = field(default_factory=lambda: prior(1.0))  # verified: asked; accepted: given
 
 
 def rate(h: Hierarchy, e: Estimates) -> float | None:
@@ -246,7 +248,7 @@ class Planner:
             e.a1.add(proposed, accepted)
             return
         if e.a13 is None:
-            e.a13 = Acceptance(e.a1.verified, e.a1.accepted)
+            e.a13 = Estimate(e.a1.verified, e.a1.accepted)
         e.a13.add(proposed, accepted)
 
     def level2_checked(self, proposed: int, accepted: int) -> None:

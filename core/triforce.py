@@ -86,12 +86,7 @@ class TriForce:
                                                  self.generator)
             feature = h3[accepted]
             level3_s = time.perf_counter() - t0
-            if h.level2:
-                self.counts.level2_proposed += n
-                self.counts.level2_accepted += accepted
-            elif h.level1:  # level 1 checked by level 3 directly
-                self.counts.level1_proposed += n
-                self.counts.level1_accepted += accepted
+            self.counts.count(2 if h.level2 else 1, n, accepted)  # (level 1's drafts checked by level 3 directly)
             if self.planner and h.level2:
                 self.planner.level2_checked(n, accepted)
             elif self.planner and h.level1 and draft.asked:
@@ -170,8 +165,7 @@ class TriForce:
             accepted, token = speculative_verify(proposals, q1, p2, self.generator, residual=residual_distribution)
             draft.level1_s += t1 - t0
             draft.level2_s += time.perf_counter() - t1
-            self.counts.level1_proposed += len(proposals)
-            self.counts.level1_accepted += accepted
+            self.counts.count(1, len(proposals), accepted)
             draft.level1_tokens += len(proposals)
             draft.level2_forwards += 1
             if self.planner and asked:

@@ -11,7 +11,7 @@ import torch
 import core.triforce
 from core.config import GenerationConfig
 from core.events import Finished, PlanChosen
-from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, Acceptance, Costs, Estimates, Hierarchy, Planner, best,
+from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, Costs, Estimate, Estimates, Hierarchy, Planner, best,
                           candidates, expected_tokens, prior, rate)
 from tests.lossless import GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
@@ -28,7 +28,7 @@ def test_expected_tokens_of_a_verification_follow_the_geometric_series():
 
 
 def test_acceptance_counts_only_the_drafts_that_were_verified():
-    a = Acceptance(0.0, 0.0)
+    a = Estimate(0.0, 0.0)
     a.add(proposed=6, accepted=2)  # the third was rejected, the last three never verified
     a.add(proposed=6, accepted=6)
     assert (a.verified, a.accepted) == (9, 8)

@@ -1,0 +1,264 @@
+"""Real weights at real long context: Qwen2.5-Coder-1.5B-Instruct with its 0.5B sibling as the level-1 draft (and
+the 0.5B alone with prompt lookup), on three kinds of document (this repository's Python sources, a novel, a pass
+key hidden at 37 % depth in filler) at several lengths, on the GPU's memory and with the full cache offloaded.
+Every TriForce run has an autoregressive run beside it in the same process, on the same prompt and seed;
+acceptances at both levels; greedy runs of every method must be token-identical to greedy AR; transformers'
+`generate` is the oracle for AR once, in float32.
+
+python -m bench.real --target 1.5B.gguf --draft 0.5B.gguf [--contexts 8192 16384 30000] [--docs code prose needle]
+    [--new-tokens 128] [--parts onchip offload alone oracle anatomy]
+Writes bench/results/real-<gpu>-<date>.json (updated after every prompt) with summary.real and the real-pair keys
+of summary.planner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import DOCS, RESULTS, environment, finish, merge_summary, save
+from bench.needle import FILLER, NEEDLE, PASSKEY
+from core import Engine, GenerationConfig
+from core.events import Finished
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTRUCTIONS = {"code": "Explain what this code does, module by module.",
+                "prose": "Summarise what has happened so far, naming the main characters.",
+                "needle": "What is the pass key?"}
+SAMPLED = {"temperature": 0.6, "top_p": 0.9}
+# (name, settings): greedy runs are checked against greedy AR token for token
+GREEDY_RUNS = [("triforce-model", {"method": "triforce", "drafter": "model"}),
+               ("triforce-ngram", {"method": "triforce", "drafter": "ngram"}),
+               ("triforce-none", {"method": "triforce", "drafter": "none"}),
+               ("triforce-streaming", {"method": "triforce", "drafter": "model", "level2_cache": "streaming"}),
+               ("auto", {"method": "auto"})]
+SAMPLED_RUNS = [("triforce-model", {"method": "triforce", "drafter": "model"}),
+                ("triforce-ngram", {"method": "triforce", "drafter": "ngram"}), ("auto", {"method": "auto"})]
+
+
+def text_of(kind: str, engine: Engine, tokens: int) -> str:
+    """A document of about `tokens` tokens of one kind."""
+    if kind == "code":
+        files = sorted((ROOT / "core").glob("*.py")) + sorted((ROOT / "bench").glob("*.py")) + \
+            sorted((ROOT / "tests").glob("*.py")) + sorted((ROOT / "app").glob("*.py"))
+        text = "".join(f"# file: {f.relative_to(ROOT)}\n{f.read_text()}\n" for f in files)
+    elif kind == "prose":
+        text = (DOCS / "pride_and_prejudice.txt").read_text()
+    else:
+        lines = tokens // len(engine.tokenizer(FILLER)["input_ids"])
+        head = round(lines * 0.37)
+        text = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
+                "memorise it.\n\n" + FILLER * head + NEEDLE + FILLER * (lines - head))
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    return engine.tokenizer.decode(ids)
+
+
+def row(fin: Finished) -> dict:
+    s = fin.stats
+    return {"tokens_per_s": s.tokens_per_s, "ms_per_token": 1e3 / s.tokens_per_s if s.tokens_per_s else None,
+            "new_tokens": s.new_tokens, "prompt_tokens": s.prompt_tokens, "prefill_s": s.prefill_s,
+            "prefill_reused": s.prefill_reused, "level1_acceptance": s.level1_acceptance,
+            "level2_acceptance": s.level2_acceptance, "tokens_per_target_forward": s.tokens_per_target_forward,
+            "host_link_bytes_per_token": s.host_link_bytes / max(s.new_tokens, 1), "plans": s.plans,
+            "warmup_s": s.warmup_s, "text": fin.text[:300]}
+
+
+def usable(runs: list[tuple[str, dict]], engine: Engine) -> list[tuple[str, dict]]:
+    """The runs an engine can make (the model drafter needs a draft model)."""
+    return [(name, c) for name, c in runs if engine.draft is not None or c.get("drafter") != "model"]
+
+
+def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict) -> dict:
+    """AR greedy and sampled, then every greedy and sampled method, on one prompt (the first run prefills)."""
+    out: dict = {"greedy": {}, "sampled": {}}
+    ar_greedy = finish(engine, doc, instruction, GenerationConfig(method="ar", greedy=True, **base))
+    ar_sampled = finish(engine, doc, instruction, GenerationConfig(method="ar", **SAMPLED, **base))
+    out["greedy"]["ar"], out["sampled"]["ar"] = row(ar_greedy), row(ar_sampled)
+    identical = {}
+    for name, settings in usable(GREEDY_RUNS, engine):
+        fin = finish(engine, doc, instruction, GenerationConfig(greedy=True, **settings, **base))
+        out["greedy"][name] = row(fin)
+        identical[name] = fin.token_ids == ar_greedy.token_ids
+        if not identical[name]:
+            from core.compare import difference_note
+            out["greedy"][name]["difference"] = difference_note(ar_greedy.token_ids, fin.token_ids,
+                                                                ar_greedy.stats.near_ties)
+    for name, settings in usable(SAMPLED_RUNS, engine):
+        out["sampled"][name] = row(finish(engine, doc, instruction, GenerationConfig(**settings, **SAMPLED, **base)))
+    out["greedy_identical"] = identical
+    out["near_ties_ar"] = len(ar_greedy.stats.near_ties)
+    for sampling in ("greedy", "sampled"):
+        ar = out[sampling]["ar"]["tokens_per_s"]
+        for name, r in out[sampling].items():
+            r["speedup"] = r["tokens_per_s"] / ar if ar and r["tokens_per_s"] else None
+    return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def h2d_gb_s(gib: int = 1, reps: int = 10) -> float:
+    """Page-locked host -> GPU copy bandwidth (GB/s), as the offloaded cache copies."""
+    from core.kvcache import pinned_empty
+    host = pinned_empty((gib << 30,), torch.uint8, True)
+    dev = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return reps * host.numel() / (time.perf_counter() - t0) / 1e9
+
+
+def anatomy(engine: Engine, doc: str, instruction: str, bw: float | None) -> dict:
+    """Where an offloaded AR step's time goes: the step, the same copies without compute (stream_layers over the
+    whole cache), and the step's bytes over the measured link bandwidth."""
+    fin = finish(engine, doc, instruction, GenerationConfig(method="ar", greedy=True, offload="on", max_new_tokens=16))
+    full = engine.memory.kept.cache
+    length = full.seq_len
+    times = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for _ in full.stream_layers(length):
+            pass
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    kv = full.k[:, :, :length].nbytes * 2
+    return {"ar_ms_per_token": 1e3 / fin.stats.tokens_per_s, "copies_only_ms": statistics.median(times),
+            "roofline_ms": kv / bw / 1e6 if bw else None, "kv_gb": kv / 1e9, "layers": engine.target.args.n_layers}
+
+
+def oracle(target: str, draft: str, doc: str, instruction: str, new_tokens: int) -> dict:
+    """Float32 on the GPU: our greedy AR and TriForce against transformers' greedy generate on the same prompt."""
+    from transformers import AutoModelForCausalLM
+    from core.loading import _cache_dir, resolve
+    engine = Engine.load(target, draft, dtype="float32")
+    engine.target.eos_ids = set()
+    base = dict(greedy=True, max_new_tokens=new_tokens)
+    ar = finish(engine, doc, instruction, GenerationConfig(method="ar", **base))
+    tf = finish(engine, doc, instruction, GenerationConfig(method="triforce", **base))
+    auto = finish(engine, doc, instruction, GenerationConfig(method="auto", **base))
+    dev = engine.target.device
+    hf = AutoModelForCausalLM.from_pretrained(_cache_dir(resolve(target)), dtype=torch.float32).to(dev).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([ar.prompt_ids], device=dev)
+        out = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf_ids = out[0, len(ar.prompt_ids):].tolist()
+    agree = next((i for i, (a, b) in enumerate(zip(hf_ids, ar.token_ids)) if a != b), len(ar.token_ids))
+    del hf, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"prompt_tokens": len(ar.prompt_ids), "triforce_equals_ar": tf.token_ids == ar.token_ids,
+            "auto_equals_ar": auto.token_ids == ar.token_ids, "transformers_agrees_for": agree,
+            "transformers_equals_ar": hf_ids == ar.token_ids, "new_tokens": new_tokens}
+
+
+def summarise(data: dict, contexts: list[int]) -> dict:
+    """summary.real and the real-pair keys of summary.planner from the runs at the longest context."""
+    longest = str(max(contexts))
+
+    def mean(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.mean(values) if values else None
+
+    at = {regime: [p for key, p in data.get(regime, {}).items() if key.endswith(f"@{longest}")]
+          for regime in ("onchip", "offload")}
+    identical = [all(p["greedy_identical"].values()) for regime in ("onchip", "offload")
+                 for p in data.get(regime, {}).values()]
+    real = {"onchip_speedup_30k": mean([p["sampled"]["auto"]["speedup"] for p in at["onchip"]]),
+            "offload_speedup_30k": mean([p["sampled"]["auto"]["speedup"] for p in at["offload"]]),
+            "l2_acceptance_30k": mean([p["sampled"]["triforce-model"]["level2_acceptance"] for p in at["onchip"]]),
+            "l1_acceptance_30k": mean([p["sampled"]["triforce-model"]["level1_acceptance"] for p in at["onchip"]]),
+            "offload_ar_over_roofline": mean([a["ar_ms_per_token"] / a["roofline_ms"]
+                                              for a in data.get("anatomy", {}).values() if a["roofline_ms"]]),
+            "greedy_identical_bf16": all(identical) if identical else None,
+            "greedy_identical_fp32": data["oracle"]["triforce_equals_ar"] and data["oracle"]["auto_equals_ar"]
+            if "oracle" in data else None}
+    planner = {"real_onchip_30k": real["onchip_speedup_30k"], "real_offload_30k": real["offload_speedup_30k"],
+               "choices": {f"real {regime} {key}": p["sampled"]["auto"]["plans"] for regime in at
+                           for key, p in data.get(regime, {}).items() if key.endswith(f"@{longest}")}}
+    return {"real": real, "planner": planner}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="the 1.5B target: a .gguf, directory or preset id")
+    p.add_argument("--draft", required=True, help="the 0.5B draft (also run alone with prompt lookup)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 30000])
+    p.add_argument("--docs", nargs="+", default=list(INSTRUCTIONS), choices=list(INSTRUCTIONS))
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--parts", nargs="+", default=["onchip", "offload", "alone", "oracle", "anatomy"],
+                   choices=["onchip", "offload", "alone", "oracle", "anatomy"])
+    p.add_argument("--name", default="real")
+    args = p.parse_args()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"  # a CPU: a smoke test of the script
+    name = f"{args.name}-{gpu.replace(' ', '-')}"
+    path = RESULTS / f"{name}-{dt.date.today().isoformat()}.json"
+    data: dict = json.loads(path.read_text()) if path.exists() else {}  # parts run by earlier commands today
+    env = environment()
+    data.update({**env, "commands": data.get("commands", []) + [env["command"]], "gpu": gpu, "target": args.target,
+                 "draft": args.draft, "new_tokens": args.new_tokens})
+    bw = h2d_gb_s() if torch.cuda.is_available() else None
+    data["h2d_gb_s"] = bw
+    engine = Engine.load(args.target, args.draft)
+    engine.target.eos_ids = set()  # a benchmark: every run generates new_tokens tokens
+    data["model"] = engine.info
+    t0 = time.perf_counter()
+    finish(engine, text_of("prose", engine, 2000), "Go on.", GenerationConfig(max_new_tokens=32))  # kernels, graphs
+    data["warm_up_s"] = time.perf_counter() - t0
+    for regime in ("onchip", "offload"):
+        if regime not in args.parts:
+            continue
+        for ctx in args.contexts:
+            for kind in args.docs:
+                doc = text_of(kind, engine, ctx)
+                base = dict(max_new_tokens=args.new_tokens, offload="on" if regime == "offload" else "off")
+                result = prompt_runs(engine, doc, INSTRUCTIONS[kind], base)
+                data.setdefault(regime, {})[f"{kind}@{ctx}"] = result
+                s, g = result["sampled"], result["greedy"]
+                print(f"{regime} {kind}@{ctx}: AR {s['ar']['ms_per_token']:.2f} ms/token; sampled "
+                      + ", ".join(f"{n} {r['speedup']:.2f}x" for n, r in s.items() if n != "ar")
+                      + f"; L1 {s['triforce-model']['level1_acceptance']:.2f} L2 "
+                      f"{s['triforce-model']['level2_acceptance']:.2f}; auto {s['auto']['plans']}; greedy "
+                      f"identical {result['greedy_identical']}", flush=True)
+                data["summary"] = summarise(data, args.contexts)
+                save(name, data)
+            if regime == "offload" and "anatomy" in args.parts:
+                data.setdefault("anatomy", {})[str(ctx)] = anatomy(engine, text_of("prose", engine, ctx), "Go on.", bw)
+                print(f"anatomy @{ctx}: {data['anatomy'][str(ctx)]}", flush=True)
+        engine.release()
+    if "alone" in args.parts:  # the 0.5B by itself: levels 2 and 3 are the 0.5B, level 1 prompt lookup
+        gc.collect()
+        alone = Engine.load(args.draft, "")
+        alone.target.eos_ids = set()
+        for kind in args.docs:
+            doc = text_of(kind, alone, max(args.contexts))
+            result = prompt_runs(alone, doc, INSTRUCTIONS[kind], dict(max_new_tokens=args.new_tokens))
+            data.setdefault("alone", {})[f"{kind}@{max(args.contexts)}"] = result
+            print(f"0.5B alone {kind}: " + ", ".join(f"{n} {r['speedup']:.2f}x L2 {r['level2_acceptance']:.2f}"
+                                                    for n, r in result["sampled"].items() if n != "ar"), flush=True)
+        alone.release()
+    if "oracle" in args.parts:
+        eng = Engine.load(args.target, args.draft)
+        data["oracle"] = oracle(args.target, args.draft, text_of("code", eng, 8192), INSTRUCTIONS["code"], 64)
+        print(f"oracle (float32): {data['oracle']}", flush=True)
+    data["summary"] = summarise(data, args.contexts)
+    print(data["summary"])
+    print(f"saved {save(name, data)}")
+    print(f"planner figures merged into {merge_summary('planner', 'planner', data['summary']['planner'])}")
+
+
+if __name__ == "__main__":
+    main()
