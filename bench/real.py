@@ -247,12 +247,16 @@ def main() -> None:
             doc = text_of(kind, alone, max(args.contexts))
             result = prompt_runs(alone, doc, INSTRUCTIONS[kind], dict(max_new_tokens=args.new_tokens))
             data.setdefault("alone", {})[f"{kind}@{max(args.contexts)}"] = result
+            save(name, data)
             print(f"0.5B alone {kind}: " + ", ".join(f"{n} {r['speedup']:.2f}x L2 {r['level2_acceptance']:.2f}"
                                                     for n, r in result["sampled"].items() if n != "ar"), flush=True)
         alone.release()
     if "oracle" in args.parts:
         eng = Engine.load(args.target, args.draft)
-        data["oracle"] = oracle(args.target, args.draft, text_of("code", eng, 8192), INSTRUCTIONS["code"], 64)
+        try:
+            data["oracle"] = oracle(args.target, args.draft, text_of("code", eng, 8192), INSTRUCTIONS["code"], 64)
+        finally:
+            save(name, data)
         print(f"oracle (float32): {data['oracle']}", flush=True)
     data["summary"] = summarise(data, args.contexts)
     print(data["summary"])

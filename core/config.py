@@ -152,9 +152,10 @@ class GenerationConfig:
     @property
     def lookahead(self) -> int:
         """Tokens past the committed sequence a cache may be fed in one round (level 2's draft, level 1's proposals
-        and the token before them, plus one): caches hold the prompt, the answer and this much more. Resolved
-        settings only (γ2 known)."""
-        return self.gamma1 + self.gamma2 + 2
+        and the token before them, plus one): caches hold the prompt, the answer and this much more. It covers the
+        longest round of any method (auto may draft AUTO_GAMMA2), so that runs of different methods on one prompt
+        share their caches. Resolved settings only (γ2 known)."""
+        return self.gamma1 + max(self.gamma2, AUTO_GAMMA2) + 2
 
     @property
     def is_greedy(self) -> bool:

@@ -49,7 +49,7 @@ def held(engine: Engine) -> int:
 def test_retrieval_cache_is_sized_by_the_prompt_not_the_budget():
     engine = tiny_engine()
     finished = run(engine, 48, budget=1 << 20)
-    extra = CFG["max_new_tokens"] + CFG["gamma1"] + CFG["gamma2"] + 2
+    extra = CFG["max_new_tokens"] + GenerationConfig(**CFG).resolved(False).lookahead
     assert finished.stats.retrieval_cache_bytes <= (48 + CFG["chunk_size"] + extra) * bytes_per_token(engine)
 
 
@@ -155,5 +155,5 @@ def test_a_streaming_window_larger_than_the_prompt_is_clamped_and_stays_exact():
     ar = run(engine, 171, **wide, method="ar")
     assert triforce.token_ids == ar.token_ids and triforce.stats.level1_proposed > 0
     level1 = triforce.stats.level1_cache_bytes
-    assert level1 <= (171 + 12 + triforce.stats.settings["gamma1"] + triforce.stats.settings["gamma2"] + 2) * \
-        bytes_per_token(engine)
+    lookahead = GenerationConfig(**{**CFG, **wide}).resolved(False).lookahead
+    assert level1 <= (171 + 12 + lookahead) * bytes_per_token(engine)

@@ -380,7 +380,7 @@ def near_tie_engine():
     two logits often lie within bf16 rounding of each other, with a smaller random draft of the same vocabulary."""
     from core.engine import Engine
     from tests.tiny import DigitTokenizer
-    shape = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+    shape = dict(vocab_size=4096, hidden_size=768, intermediate_size=1024, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=1, head_dim=128, max_position_embeddings=32768,
                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
     torch.manual_seed(0)

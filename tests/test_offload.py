@@ -103,7 +103,7 @@ def test_offloaded_hierarchy_is_lossless():
 
 def test_placement_offloads_only_beyond_the_device_limit(monkeypatch):
     _, model = tiny_pair(tiny_config(layers=16))  # 4 KiB of keys/values per token in float32
-    cfg, prompt = GenerationConfig(), 490_000
+    cfg, prompt = GenerationConfig(method="triforce"), 490_000
 
     def plan(limit: int, config: GenerationConfig = cfg):
         return Memory(model, None, limit).plan(prompt, config)
