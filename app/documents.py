@@ -1,4 +1,4 @@
-"""Reading documents: bundled samples (assets/docs/samples.json) and uploads (.txt, .md, .html, .pdf)."""
+"""Reading documents: bundled samples (assets/docs/samples.json) and uploads (text, source code, data, HTML, PDF)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from core.text import html_to_text
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "assets" / "docs"
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
-TEXT_SUFFIXES = (".txt", ".md", ".markdown")
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".tex", ".log")
+CODE_SUFFIXES = (".py", ".pyi", ".ipynb", ".js", ".mjs", ".jsx", ".ts", ".tsx", ".c", ".h", ".cc", ".cpp", ".cxx",
+                 ".hpp", ".hh", ".cs", ".rs", ".go", ".java", ".kt", ".scala", ".swift", ".rb", ".php", ".pl", ".lua",
+                 ".r", ".jl", ".sh", ".bash", ".ps1", ".sql", ".css", ".scss", ".vue", ".cu", ".m")
+DATA_SUFFIXES = (".json", ".jsonl", ".toml", ".yaml", ".yml", ".csv", ".tsv", ".ini", ".cfg", ".conf", ".xml")
 HTML_SUFFIXES = (".html", ".htm")
-SUPPORTED_SUFFIXES = TEXT_SUFFIXES + HTML_SUFFIXES + (".pdf",)
+SUPPORTED_SUFFIXES = TEXT_SUFFIXES + CODE_SUFFIXES + DATA_SUFFIXES + HTML_SUFFIXES + (".pdf",)  # all read as UTF-8
 
 
 class DocumentError(ValueError):
@@ -57,7 +61,7 @@ def decode_text(data: bytes) -> str:
     """UTF-8 text of `data`; binary or non-UTF-8 bytes raise DocumentError."""
     if b"\x00" in data[:8192]:
         raise DocumentError("This file looks binary (it contains NUL bytes), not text. "
-                            "Upload a .txt, .md, .html or .pdf document.")
+                            "Upload a text, source-code, data, HTML or PDF file.")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:

@@ -53,16 +53,17 @@ class ModelLoadError(RuntimeError):
     """A preset's models could not be loaded; the message says which and why."""
 
 
-def load_engine(target: str | None, draft: str | None) -> Engine:
+def load_engine(target: str | None, draft: str | None, name: str | None = None) -> Engine:
     """The engine for a target/draft pair (Engine.load caches per process), held to TRIFORCE_GPU_MEMORY_GIB of GPU
-    memory when set (a larger GPU then offloads like a card of that size); failures raise ModelLoadError."""
+    memory when set (a larger GPU then offloads like a card of that size); failures raise ModelLoadError, which
+    calls the pair `name` if given."""
     budget = float(os.environ["TRIFORCE_GPU_MEMORY_GIB"]) if os.environ.get("TRIFORCE_GPU_MEMORY_GIB") else None
     try:
         engine = Engine.load(gpu_memory_gib=budget) if target is None else \
             Engine.load(target=target, draft=draft, gpu_memory_gib=budget)
     except Exception as err:  # any loader failure (missing weights, no network, out of memory) must not kill the app
-        name = target or "the embedded model"
-        raise ModelLoadError(f"Could not load {name}{f' + {draft}' if draft else ''}: {err}. "
+        name = name or (target or "the embedded model") + (f" + {draft}" if draft else "")
+        raise ModelLoadError(f"Could not load {name}: {err}. "
                              "The embedded SmolLM2 preset works offline on CPU.") from err
     _loaded[(target, draft)] = dict(engine.info)
     return engine
@@ -70,7 +71,7 @@ def load_engine(target: str | None, draft: str | None) -> Engine:
 
 def preset_engine(preset: Preset) -> Engine:
     """The engine of a preset."""
-    return load_engine(preset.target, preset.draft)
+    return load_engine(*preset.sources(), preset.name)
 
 
 def warm_up(preset: Preset) -> float | None:
@@ -86,7 +87,7 @@ def warm_up(preset: Preset) -> float | None:
 
 def counting_engine(preset: Preset) -> tuple[Engine, bool]:
     """The preset's engine if already loaded (exact counts), else the embedded one (approximate counts)."""
-    if (preset.target, preset.draft) in _loaded:
+    if preset.sources() in _loaded:
         return preset_engine(preset), True
     return load_engine(None, None), preset.target is None
 
@@ -121,7 +122,7 @@ def stream_events(preset: Preset, document: str, instruction: str, config: Gener
 
     def run() -> None:
         with _RUN_LOCK:
-            generation = _event_dicts(preset.target, preset.draft, document, instruction, config.to_dict(),
+            generation = _event_dicts(*preset.sources(), document, instruction, config.to_dict(),
                                       None if ZERO_GPU else stop)
             batch: list = []
             handed = time.monotonic()

@@ -75,7 +75,8 @@ def build_demo() -> gr.Blocks:
                     with gr.Column(scale=2, min_width=340):
                         sample = gr.Dropdown([s.title for s in samples], value=first.title if first else None,
                                              label="Sample document", elem_id="sample")
-                        upload = gr.File(label="…or upload (.txt .md .html .pdf)", file_types=list(SUPPORTED_SUFFIXES),
+                        upload = gr.File(label="…or upload a text, source-code, data, HTML or PDF file",
+                                         file_types=list(SUPPORTED_SUFFIXES),
                                          type="filepath")
                         document = gr.Textbox(first.read() if first else "", label="Document (paste or edit)",
                                               lines=8, max_lines=8, elem_id="document")

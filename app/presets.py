@@ -1,51 +1,34 @@
-"""Model presets (target + draft pairs) and the environment variables that choose one."""
+"""The app's model presets: core.presets' table, the pair the environment names (TRIFORCE_TARGET / TRIFORCE_DRAFT),
+and what the Settings panel marks as a preset's choice."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
-EMBEDDED = "SmolLM2-135M-Instruct (embedded, CPU/offline)"
+from core.config import settings
+from core.presets import EMBEDDED, PRESETS, Preset
+
+__all__ = ["CUSTOM", "EMBEDDED", "PRESETS", "PRESET_SETTINGS", "Preset", "all_presets", "default_preset",
+           "env_preset", "panel_overrides", "preset_by_name"]
+
 CUSTOM = "Custom (TRIFORCE_TARGET / TRIFORCE_DRAFT)"
-
-
-PRESET_SETTINGS = ("budget", "repetition_penalty")  # the settings a preset may choose; the rest keep their defaults
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A target model, an optional draft model, and the settings that suit them where they differ from the
-    engine's defaults (by name, among PRESET_SETTINGS)."""
-
-    name: str
-    target: str | None  # None: the engine's embedded default
-    draft: str | None
-    settings: tuple[tuple[str, Any], ...] = ()
-
-
-PRESETS: tuple[Preset, ...] = (
-    # A 135M model loops without a penalty ("the King of the King of ..."); budget 512 of its 8K context.
-    Preset(EMBEDDED, None, None, (("budget", 512), ("repetition_penalty", 1.2))),
-    Preset("Paper: Yarn-Llama-2-7b-128k + llama-68m", "NousResearch/Yarn-Llama-2-7b-128k", "JackFram/llama-68m"),
-    Preset("LWM-Text-Chat-128K + llama-68m", "LargeWorldModel/LWM-Text-Chat-128K", "JackFram/llama-68m"),
-    Preset("Llama-3.1-8B-Instruct + Llama-3.2-1B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",
-           "meta-llama/Llama-3.2-1B-Instruct"),
-    Preset("Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
-)
+# The settings some preset chooses, in declaration order: choosing another preset resets the rest to their defaults.
+PRESET_SETTINGS = tuple(name for name in settings() if any(name in dict(p.settings) for p in PRESETS))
 
 
 def env_preset(environ: dict[str, str] | None = None) -> Preset | None:
-    """The preset named by TRIFORCE_TARGET / TRIFORCE_DRAFT, or None when TRIFORCE_TARGET is unset."""
+    """The preset named by TRIFORCE_TARGET (a preset id, or with TRIFORCE_DRAFT a pair of models), or None when
+    TRIFORCE_TARGET is unset."""
     env = os.environ if environ is None else environ
     target = env.get("TRIFORCE_TARGET", "").strip()
     if not target:
         return None
     draft = env.get("TRIFORCE_DRAFT", "").strip() or None
     for preset in PRESETS:
-        if preset.target == target and preset.draft == draft:
+        if (target == preset.id and draft is None) or preset.sources() == (target, draft):
             return preset
-    return Preset(CUSTOM, target, draft)
+    return Preset("custom", CUSTOM, target, draft)
 
 
 def all_presets(environ: dict[str, str] | None = None) -> list[Preset]:

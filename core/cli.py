@@ -1,4 +1,4 @@
-"""Command line: `python -m core generate ...` and `python -m core compare ...`."""
+"""Command line: `python -m core generate ...`, `python -m core compare ...` and `python -m core install-models`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from core.compare import difference_note
 from core.config import GenerationConfig, TriForceError, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
+from core.install import install
 from core.parallel import TensorParallel, joined, launch
+from core.presets import PRESETS, Preset, by_id, installable, preset_config, resolve_preset
 from core.prompting import MAX_DOCUMENT_CHARS
 
 COLOURS = {"draft": "\033[32m", "copy": "\033[36m", "level2": "\033[33m", "level3": "\033[35m", "target": ""}
@@ -27,7 +29,8 @@ LEGEND = "green: level-1 draft accepted  cyan: level-1 copy accepted  yellow: le
 
 
 def add_settings(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per GenerationConfig setting, with its help, choices and default (core.config declares them)."""
+    """One flag per GenerationConfig setting, with its help, choices and default (core.config declares them). A flag
+    left out leaves no attribute (argparse.SUPPRESS), so that only the flags typed override the preset's settings."""
     hints = type_hints()
     for name, (field, spec) in settings().items():
         if not spec.cli or name in skip:
@@ -37,16 +40,17 @@ def add_settings(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None
         kinds = value_types(hints[name])
         if bool in kinds:
             if default:
-                p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false", help=spec.help)
+                p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false",
+                               default=argparse.SUPPRESS, help=spec.help)
             else:
-                p.add_argument(flag, action="store_true", help=spec.help)
+                p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=spec.help)
         elif list in kinds:
-            p.add_argument(flag, action="append", default=default, help=spec.help)
+            p.add_argument(flag, action="append", default=argparse.SUPPRESS, help=spec.help)
         else:
             convert = spec.parse or (float if float in kinds else int if int in kinds else str)
             choices = None if spec.parse or int in kinds or float in kinds else spec.choices
             more = f"; choices: {', '.join(spec.choices)} or N" if spec.parse else ""
-            p.add_argument(flag, type=convert, default=default, choices=choices,
+            p.add_argument(flag, type=convert, default=argparse.SUPPRESS, choices=choices,
                            help=f"{spec.help}{more}" + ("" if default is None else f" (default: {default})"))
 
 
@@ -65,8 +69,11 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--doc", required=True, help="document file (UTF-8 text)")
         s.add_argument("--prompt", required=True, help="instruction or question")
         add_settings(s)
-        s.add_argument("--draft", help="draft model: hub id, directory or .gguf")
-        s.add_argument("--target", help="target model: hub id, directory or .gguf (default: embedded SmolLM2)")
+        s.add_argument("--draft", help="draft model: hub id, directory or .gguf (default: the preset's; none: no "
+                       "draft model)")
+        s.add_argument("--target", help=f"target model: a preset ({', '.join(p.id for p in PRESETS)}; its settings "
+                       "apply unless a flag overrides them), hub id, directory or .gguf (default: the embedded "
+                       f"SmolLM2, preset {PRESETS[0].id})")
         s.add_argument("--device")
         s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
         s.add_argument("--gpu-memory-gib", type=float, help="GPU memory the run may use (default: all); a full KV "
@@ -74,17 +81,41 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--tp", type=int, help="tensor parallel over N processes, spawned here (under torchrun: its "
                        "processes): each holds 1/N of the target's heads, KV caches and MLP")
         s.add_argument("--json", action="store_true", help="print one JSON object")
+    s = sub.add_parser("install-models", help="fetch, assemble and verify the models of the offline presets")
+    s.add_argument("ids", nargs="*", metavar="ID", help="presets to install (default: all of "
+                   f"{', '.join(p.id for p in installable())})")
+    s.add_argument("--from", dest="source", type=Path, metavar="DIR",
+                   help="take the part packages' wheels or sdists from this directory instead of PyPI")
     return p
 
 
-def _config(args, method: str) -> GenerationConfig:
-    values = {name: getattr(args, name) for name, (_, spec) in settings().items() if hasattr(args, name)}
-    return GenerationConfig(**{**values, "method": method}).validate()
+def typed_settings(args: argparse.Namespace) -> dict:
+    """The generation settings given as flags."""
+    return {name: getattr(args, name) for name in settings() if hasattr(args, name)}
 
 
-def _run(engine: Engine, document: str, args, cfg: GenerationConfig, show: bool) -> Finished:
-    """Generate, streaming coloured tokens to stdout when `show`; return the Finished event."""
-    for event in engine.generate(document, args.prompt, cfg):
+def flag(name: str, value) -> str:
+    """The command-line form of one setting."""
+    option = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return option if value else "--no-" + option[2:]
+    return f"{option} {value}"
+
+
+def preset_note(preset: Preset | None, typed: dict) -> str | None:
+    """The line saying which of the preset's settings a run takes (the flags typed override the others)."""
+    taken = [flag(name, value) for name, value in (preset.settings if preset else ()) if name not in typed]
+    return f"preset {preset.id}: {' '.join(taken)} (a flag overrides)" if taken else None
+
+
+def _run(engine: Engine, document: str, args, cfg: GenerationConfig, show: bool, note: str | None = None
+         ) -> Finished:
+    """Generate, streaming coloured tokens to stdout when `show`; return the Finished event. `note` goes to stderr
+    once the input is accepted (a refusal stays one line)."""
+    events = engine.generate(document, args.prompt, cfg)
+    if note:
+        print(note, file=sys.stderr)
+    for event in events:
         if show and isinstance(event, Tokens):
             colour = sys.stdout.isatty()
             for text, prov in zip(event.texts, event.provenance):
@@ -121,6 +152,8 @@ def read_document(path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     transformers.logging.set_verbosity_error()  # refusals are one line: no loader warnings around them
+    if args.command == "install-models":
+        return install_models(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, or launch's
     if world == 1 and (args.tp or 1) > 1:  # start the group: each process runs this command as one rank
         return launch(args.tp, main, sys.argv[1:] if argv is None else argv)
@@ -143,19 +176,23 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
     """The command, in this process (one rank of a tensor-parallel group when `tp`)."""
     document = read_document(args.doc)
+    preset = resolve_preset(args.target, args.draft)[0]  # known before loading: bad flags are refused at once
+    typed = typed_settings(args)
+    applied = None if tp and tp.rank else preset_note(preset, typed)
     # compare: autoregressive decoding against the method asked for (auto unless triforce)
-    methods = [args.method] if args.command == "generate" else ["ar", "triforce" if args.method == "triforce" else
-                                                                  "auto"]
-    configs = [_config(args, m) for m in methods]
+    methods = [{}] if args.command == "generate" else \
+        [{"method": "ar"}, {"method": "triforce" if typed.get("method") == "triforce" else "auto"}]
+    configs = [preset_config(preset, **{**typed, **m}).validate() for m in methods]
     engine = Engine.load(args.target, args.draft, args.device, args.dtype, gpu_memory_gib=args.gpu_memory_gib, tp=tp)
     if args.command == "generate":
-        result = _run(engine, document, args, configs[0], show=not args.json)
+        result = _run(engine, document, args, configs[0], show=not args.json, note=applied)
         if args.json:
             print(json.dumps(_summary(result)))
         else:
             print(f"\n\n{_stats_line(result.stats)}" + (f"\n{LEGEND}" if sys.stdout.isatty() else ""))
         return 0
-    ar, tf = (_run(engine, document, args, cfg, show=False) for cfg in configs)
+    ar = _run(engine, document, args, configs[0], show=False, note=applied)
+    tf = _run(engine, document, args, configs[1], show=False)
     same = ar.token_ids == tf.token_ids
     note = difference_note(ar.token_ids, tf.token_ids, ar.stats.near_ties)
     if args.json:
@@ -164,5 +201,22 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
     else:
         print(f"{_stats_line(ar.stats)}\n{_stats_line(tf.stats)}\n"
               f"speedup {tf.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x, outputs "
-              + ("token-identical" if same else note if args.greedy else "differ (sampled)") + f"\n\n{tf.text}")
-    return 1 if args.greedy and not same else 0
+              + ("token-identical" if same else note if configs[0].is_greedy else "differ (sampled)")
+              + f"\n\n{tf.text}")
+    return 1 if configs[0].is_greedy and not same else 0
+
+
+def install_models(args: argparse.Namespace) -> int:
+    """`install-models [ID ...] [--from DIR]`: each preset's files fetched, assembled and verified."""
+    try:
+        chosen = [by_id(i) for i in args.ids] or list(installable())
+        if empty := [p.id for p in chosen if not p.files]:
+            raise TriForceError(f"{', '.join(empty)}: nothing to install (loaded from the Hugging Face hub); "
+                                f"installable: {', '.join(p.id for p in installable())}")
+        install([f for p in chosen for f in p.files], args.source)
+    except (TriForceError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in chosen:
+        print(f"{p.id} ready: python -m core generate --target {p.id} --doc FILE --prompt TEXT", file=sys.stderr)
+    return 0

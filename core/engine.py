@@ -24,6 +24,7 @@ from core.model import Transformer
 from core.output import Output
 from core.parallel import TensorParallel, parallelize
 from core.planner import CostBook, Costs, Estimates
+from core.presets import Preset, preset_config, resolve_preset
 from core.prompting import Prompt, build_prompt, plain_ids
 from core.samples import warm_up_text
 from core.triforce import TriForce
@@ -69,6 +70,7 @@ class Engine:
     memory: Memory | None = None  # the runs' caches (None: a new Memory with no device limit, as on a CPU)
     graphs: Graphs | None = None  # CUDA graphs of decode steps (None: launched eagerly)
     costs: CostBook = field(default_factory=CostBook)  # step costs measured by earlier runs (method auto reads them)
+    preset: Preset | None = None  # the model preset (core/presets.py): generate() starts from its settings
 
     def __post_init__(self):
         if self.memory is None:
@@ -84,7 +86,9 @@ class Engine:
         decode steps on a GPU from CUDA graphs (off: launch them eagerly). `gpu_memory_gib`: the GPU memory runs may
         use (enforced; default: all of it); a full KV cache beyond it is offloaded to CPU memory (offload=auto).
         `tp`: this process is a rank of a tensor-parallel group: the models are loaded in CPU memory, the target cut
-        to this rank's shard and both moved to tp.device (`device` is ignored; no CUDA graphs)."""
+        to this rank's shard and both moved to tp.device (`device` is ignored; no CUDA graphs). `target` may be a
+        preset id (core/presets.py): its models, and its settings as the defaults of generate()."""
+        preset, target, draft = resolve_preset(target, draft)
         key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs, gpu_memory_gib,
                tp and tp.world)
         if key in _LOADED:
@@ -104,6 +108,7 @@ class Engine:
             parallelize(model, draft_model, tp)
         engine = cls.from_models(model, tok, src.name, draft_model, draft_name, context_length,
                                  cuda_graphs and not tp, gpu_memory_gib)
+        engine.preset = preset
         if progress:
             progress(Loading("ready", 1.0))
         _LOADED[key] = engine
@@ -142,12 +147,16 @@ class Engine:
             self.draft, plan.cfg, prompt, self.target.args.vocab_size, generator,
             lambda: self.memory.streaming_cache(plan, self.draft), self.graphs))
 
+    def settings(self, **changes) -> GenerationConfig:
+        """The generation settings of this engine's preset (none: GenerationConfig's defaults), `changes` on top."""
+        return preset_config(self.preset, **changes)
+
     def generate(self, document: str, instruction: str, config: GenerationConfig | None = None,
                  stop: threading.Event | None = None) -> Iterator[Event]:
-        """Events of one generation (TriForce or autoregressive, per config.method); bad input raises TriForceError
-        before anything is computed. Closing the iterator stops it at its next event; setting `stop` also stops a
-        prefill between two layers (the stream then ends without Finished)."""
-        cfg = (config or GenerationConfig()).validate()
+        """Events of one generation (TriForce or autoregressive, per config.method; no config: `self.settings()`, the
+        preset's); bad input raises TriForceError before anything is computed. Closing the iterator stops it at its
+        next event; setting `stop` also stops a prefill between two layers (the stream then ends without Finished)."""
+        cfg = (config or self.settings()).validate()
         prompt = build_prompt(self.tokenizer, document, instruction, self.context_length, cfg.max_new_tokens,
                               cfg.overflow)
         return self.memory.during(self._events(prompt, cfg, stop))
@@ -156,7 +165,7 @@ class Engine:
                      stop: threading.Event | None = None) -> Iterator[Event]:
         """Events of one generation continuing the token ids `ids` as they are (no chat template, no truncation):
         what `generate` runs once it has built its prompt."""
-        cfg = (config or GenerationConfig()).validate()
+        cfg = (config or self.settings()).validate()
         vocab = self.target.args.vocab_size
         if not ids or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
             raise TriForceError(f"the prompt must be a non-empty list of token ids below {vocab}")

@@ -79,14 +79,19 @@ def _content_key(path: Path, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """The model cache: converted checkpoints and installed model files (TRIFORCE_CACHE, else
+    ~/.cache/triforce-studio)."""
+    return Path(os.environ.get("TRIFORCE_CACHE", Path.home() / ".cache" / "triforce-studio"))
+
+
 def _cache_dir(src: Source) -> Path:
     """Where a GGUF's dequantised transformers checkpoint is kept, keyed by the file's content: one copy per model,
     wherever (and in however many environments) the file lies."""
     f = (Path(src.path) / src.gguf_file).resolve()
     st = f.stat()
     key = _content_key(f, st.st_size, st.st_mtime_ns)
-    root = Path(os.environ.get("TRIFORCE_CACHE", Path.home() / ".cache" / "triforce-studio"))
-    return root / f"{f.stem}-{key}"
+    return cache_root() / f"{f.stem}-{key}"
 
 
 def _offline_kwargs(src: Source) -> dict:

@@ -92,6 +92,14 @@ def test_read_text_markdown_html_and_pdf(tmp_path: Path) -> None:
     assert read_document(tmp_path / "d.pdf") == "Hello TriForce PDF"
 
 
+def test_source_and_data_files_are_read_as_their_text(tmp_path: Path) -> None:
+    sources = {"a.py": "def f():\n    return '<b>'  # ✓\n", "b.rs": "fn main() {}\n", "c.ts": "let x: number = 1;\n",
+               "d.json": '{"a": [1, 2]}', "e.yaml": "a: 1\n", "f.csv": "a,b\n1,2\n", "g.xml": "<a>&amp;</a>"}
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        assert read_document(tmp_path / name) == text  # as written: no markup stripped
+
+
 @pytest.mark.parametrize("name, data, message", [
     ("bin.txt", b"\x7fELF\x00\x01\x02", "binary"),
     ("latin1.txt", "caf\xe9 au lait".encode("latin-1"), "not valid UTF-8"),
@@ -131,11 +139,14 @@ def test_bundled_samples_are_listed_with_instructions() -> None:
 def test_presets_from_environment() -> None:
     assert env_preset({}) is None
     paper = env_preset({"TRIFORCE_TARGET": "NousResearch/Yarn-Llama-2-7b-128k", "TRIFORCE_DRAFT": "JackFram/llama-68m"})
-    assert paper == PRESETS[1]
+    assert paper.id == "yarn-llama-2-7b-128k" and paper in PRESETS
     custom = env_preset({"TRIFORCE_TARGET": "/models/mine"})
     assert (custom.name, custom.target, custom.draft) == (CUSTOM, "/models/mine", None)
     assert [p.name for p in all_presets({"TRIFORCE_TARGET": "/models/mine"})][:2] == [CUSTOM, EMBEDDED]
-    targets = {p.target for p in PRESETS}
+    offline = env_preset({"TRIFORCE_TARGET": "qwen2.5-coder-1.5b"})  # a preset id names the preset
+    assert offline.name == "Qwen2.5-Coder-1.5B + 0.5B (32K, offline)" and offline in PRESETS
+    assert [p.name for p in PRESETS if p.files] == [offline.name, "Qwen2.5-Coder-0.5B (32K, offline)"]
+    targets = {p.target for p in PRESETS if not p.files}
     assert {None, "NousResearch/Yarn-Llama-2-7b-128k", "LargeWorldModel/LWM-Text-Chat-128K",
             "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-7B-Instruct"} == targets
 
@@ -568,6 +579,15 @@ def test_bad_uploads_are_refused_visibly(server, tmp_path: Path) -> None:
         handle.truncate(MAX_UPLOAD_BYTES + 1)
     with pytest.raises(Exception, match="(?i)too large|exceed|413|limit"):
         client.predict(handle_file(str(big)), api_name="/upload_document")
+
+
+def test_a_python_source_file_uploads_as_its_text(server, tmp_path: Path) -> None:
+    from gradio_client import handle_file
+
+    _, client = server
+    source = (ROOT / "core" / "sampling.py").read_text(encoding="utf-8")
+    (tmp_path / "sampling.py").write_text(source, encoding="utf-8")
+    assert client.predict(handle_file(str(tmp_path / "sampling.py")), api_name="/upload_document") == source
 
 
 def test_overlong_document_is_truncated_or_refused(server) -> None:

@@ -1,9 +1,12 @@
-"""The command line: JSON output, compare with its equality check, one-line refusals."""
+"""The command line: JSON output, compare with its equality check, one-line refusals, and the model preset's settings
+taken unless a flag is given."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from core.cli import main
 
 DOCS = Path(__file__).parent.parent / "assets" / "docs"
 
@@ -28,8 +31,21 @@ def test_generate_json(tmp_path, embedded):
     assert 1 <= len(out["token_ids"]) <= 8 and out["text"]
     assert embedded.tokenizer.decode(out["token_ids"], skip_special_tokens=True) == out["text"]
     stats = out["stats"]
+    assert (stats["settings"]["budget"], stats["settings"]["repetition_penalty"]) == (128, 1.2)  # flag, preset
+    assert r.stderr.strip() == "preset smollm2-135m: --repetition-penalty 1.2 (a flag overrides)"
     assert stats["dropped_tokens"] == 0 and stats["method"] == "triforce"
     assert {"level1_acceptance", "level2_acceptance", "tokens_per_s"} <= set(stats)
+
+
+def test_a_flag_overrides_the_presets_setting_even_at_the_engines_default(tmp_path, embedded, capsys):
+    """In this process (the embedded engine is loaded once): a flag typed with GenerationConfig's default value still
+    overrides the preset's choice."""
+    assert main(["generate", "--doc", short_doc(tmp_path), "--prompt", "Who is complained about?", "--greedy",
+                 "--max-new-tokens", "4", "--repetition-penalty", "1", "--json"]) == 0
+    out, err = capsys.readouterr()
+    settings = json.loads(out)["stats"]["settings"]
+    assert (settings["budget"], settings["repetition_penalty"], settings["max_new_tokens"]) == (512, 1.0, 4)
+    assert err.strip() == "preset smollm2-135m: --budget 512 (a flag overrides)"
 
 
 def test_compare_reports_identity(tmp_path):

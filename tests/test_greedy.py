@@ -1,6 +1,6 @@
 """Greedy TriForce is token-identical to our autoregressive decoding and to transformers' generate, on real
-documents of different kinds and lengths (up to the embedded model's 8K context), for every drafter, and with
-repetition control on."""
+documents of different kinds and lengths (up to the embedded model's 8K context), for every drafter, with
+repetition control on, and on a tiny random Qwen2-shaped model (the real presets' architecture)."""
 
 import dataclasses
 from pathlib import Path
@@ -10,8 +10,9 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from core import GenerationConfig
+from core import Engine, GenerationConfig
 from core.events import Finished, PromptReady
+from tests.tiny import tiny_config, tiny_pair
 
 DOCS = Path(__file__).parent.parent / "assets" / "docs"
 CASES = [
@@ -99,3 +100,24 @@ def test_greedy_with_repetition_control_equals_ar_and_transformers(engine, hf_mo
     assert hf_greedy(hf_model, ar.prompt_ids, new, GenerationConfig(**control))[:len(ar.token_ids)] == ar.token_ids
     tf, _ = run(engine, doc, instruction, method="triforce", drafter="model", **common)
     assert tf.token_ids == ar.token_ids
+
+
+def test_greedy_triforce_equals_ar_on_a_tiny_qwen2_with_biases_and_tied_embeddings(embedded, one_thread):
+    """The real presets' architecture in small (Qwen2: q/k/v biases, GQA, the LM head tied to the embedding), random
+    weights over the embedded tokenizer's vocabulary, level 1 a second such model or prompt lookup."""
+    config = tiny_config("qwen2", vocab=len(embedded.tokenizer), layers=2, max_position=4096, tie_word_embeddings=True)
+    hf, target = tiny_pair(config, seed=0, scale=4.0, biases=0.5)
+    _, draft = tiny_pair(config, seed=1, scale=4.0, biases=0.5)
+    assert target.lm_head.weight is target.embed_tokens.weight and target.layers[0].self_attn.k_proj.bias.abs().sum()
+    for model in (target, draft):
+        model.eos_ids = set()  # random weights: run to the token limit
+        model.requires_grad_(False)  # as loaded models are
+    engine = Engine.from_models(target, embedded.tokenizer, "tiny-qwen2", draft, "tiny-qwen2-draft")
+    doc = (DOCS / CASES[1][0]).read_text()[:6000]
+    common = dict(max_new_tokens=24, budget=64, chunk_size=8, gamma1=2, gamma2=4)
+    ar, ready = run(engine, doc, "Explain.", method="ar", **common)
+    assert ready.prompt_tokens > 1000 and len(ar.token_ids) == 24
+    assert hf_greedy(hf, ar.prompt_ids, 24, GenerationConfig()) == ar.token_ids
+    for drafter in ("model", "ngram"):
+        tf, _ = run(engine, doc, "Explain.", method="triforce", drafter=drafter, **common)
+        assert tf.token_ids == ar.token_ids, f"drafter {drafter} diverged from AR"
