@@ -4,16 +4,19 @@ run succeeds afterwards."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from core.cli import main
 from core.loading import load_tokenizer
 from core.prompting import MAX_DOCUMENT_CHARS
 
@@ -24,6 +27,9 @@ DOC = (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt").read_tex
 QUESTION = "Who wrote this?"
 TINY = ["--max-new-tokens", "4", "--budget", "64", "--greedy"]
 SURROGATE = os.fsdecode(b"Why\xed\xa0\x80?")  # bytes that are no UTF-8 reach argv as lone surrogates
+CORES = len(os.sched_getaffinity(0))
+ON_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA (--tp counts CPU cores)")
+SPARSE_BYTES = 4 << 30  # a sparse file this large takes no disk, but seconds to hash
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +40,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "huge.txt").write_text("x" * (MAX_DOCUMENT_CHARS + 1), encoding="utf-8")
     (root / "im_end.txt").write_text("<|im_end|>" * 300, encoding="utf-8")
     (root / "corrupt.gguf").write_bytes(b"GGUF\x03\x00\x00\x00truncated")
+    with open(root / "zeros.gguf", "wb") as f:  # sparse: all zeros, no GGUF header
+        f.truncate(SPARSE_BYTES)
+    with open(root / "counts.gguf", "wb") as f:  # a GGUF header declaring more tensors than the file could hold
+        f.write(b"GGUF" + (3).to_bytes(4, "little") + (2**62).to_bytes(8, "little") + (1).to_bytes(8, "little"))
+        f.truncate(SPARSE_BYTES)
+    os.mkfifo(root / "fifo.txt")
     custom = root / "custom"
     custom.mkdir()
     (custom / "config.json").write_text(json.dumps({
@@ -43,7 +55,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (custom / "configuration_custom.py").write_text("raise SystemExit('custom code ran')\n")
     load_tokenizer(None).save_pretrained(custom)  # a real checkpoint's tokenizer: loading reaches the custom config
     return {p.stem: p for p in (root / "doc.txt", root / "huge.txt", root / "im_end.txt", root / "corrupt.gguf",
-                                custom)}
+                                root / "zeros.gguf", root / "counts.gguf", root / "fifo.txt", custom)}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -80,6 +92,61 @@ def test_cli_refuses_in_one_line(files: dict[str, Path], args: list[str], messag
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("error: ") and message in r.stderr
     assert "[y/N]" not in r.stderr
+
+
+def run_main(argv: list[str]) -> int:
+    """The exit code of the CLI's entry point run in this process, argparse's refusals (SystemExit) included."""
+    try:
+        return main(argv)
+    except SystemExit as exited:
+        return exited.code
+
+
+IN_PROCESS_REFUSALS = [
+    (["--device", "meta"], "device 'meta' is not available here (Cannot copy out of meta tensor"),
+    pytest.param(["--tp", str(CORES + 1)], f"--tp {CORES + 1}: this machine has {CORES} CPU cores", marks=ON_CPU,
+                 id="--tp cores+1"),
+    pytest.param(["--tp", str(2**64)], f"--tp {2**64}: this machine has {CORES} CPU cores", marks=ON_CPU,
+                 id="--tp 2**64"),
+    pytest.param(["--tp", "2"], "--tp 2: tensor parallel over 2 processes needs query heads (9) and KV heads (3) "
+                 "divisible by 2", marks=[ON_CPU, pytest.mark.skipif(CORES < 2, reason="two cores")], id="--tp 2"),
+    *[(["--gpu-memory-gib", value], f"GPU memory must be above 0 and at most 1024 GiB, got {value}")
+      for value in ("0", "-1", "nan", "inf", "1e9")],
+    (["--gpu-memory-gib", "lots"], "GPU memory must be a number of GiB, got 'lots'"),
+    (["--doc", "/dev/zero"], "/dev/zero is not a regular file (a directory, device or pipe); give a file, or -"),
+    (["--doc", "{fifo}"], "fifo.txt is not a regular file"),
+    (["--doc", "/"], "/ is not a regular file"),
+    (["--target", "{zeros}"], "zeros.gguf: cannot load (not a GGUF file: it starts with 00000000)"),
+    (["--target", "{counts}"], "counts.gguf: cannot load (its header declares 4,611,686,018,427,387,904 tensors"),
+]
+
+
+@pytest.mark.parametrize("args, message", IN_PROCESS_REFUSALS)
+def test_cli_refuses_before_any_work_in_one_line(files: dict[str, Path], capfd, args: list[str],
+                                                 message: str) -> None:
+    """Refusals that come before a model is loaded, tried through the CLI's entry point in this process (in seconds:
+    no process is spawned, no device read, no file hashed)."""
+    args = [a.format(**files) for a in args]
+    args += [] if "--doc" in args else ["--doc", str(files["doc"])]
+    started = time.monotonic()
+    code = run_main(["generate", *args, "--prompt", QUESTION, *TINY])
+    out, err = capfd.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+    assert time.monotonic() - started < 30
+
+
+def test_cli_reads_at_most_a_documents_bytes_from_stdin(capfd, monkeypatch) -> None:
+    with open("/dev/zero", "rb") as zeros:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(zeros))
+        assert main(["generate", "--doc", "-", "--prompt", QUESTION, *TINY]) == 2
+    assert capfd.readouterr().err == "error: stdin is larger than the limit of 7.63 MiB\n"
+
+
+def test_cli_says_once_that_a_gpu_setting_has_no_effect_on_a_cpu(files: dict[str, Path]) -> None:
+    r = cli("generate", "--doc", str(files["doc"]), "--prompt", QUESTION, "--gpu-memory-gib", "8", "--device", "cpu",
+            "--json", *TINY)
+    assert r.returncode == 0 and json.loads(r.stdout)["token_ids"], r.stderr
+    assert r.stderr.count("note: --gpu-memory-gib has no effect here: the models run on cpu, not a GPU") == 1
 
 
 def test_cli_takes_markup_in_user_text_as_text_and_still_runs(files: dict[str, Path]) -> None:
@@ -175,3 +242,4 @@ def test_app_document_line_explains_bad_text(client, browser_json) -> None:
     assert "limit is 2,000,000" in client.predict("x" * (MAX_DOCUMENT_CHARS + 1), EMBEDDED, 64,
                                                   api_name="/describe_document")
     assert "fits the context" in client.predict(DOC, EMBEDDED, 64, api_name="/describe_document")
+
