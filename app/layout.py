@@ -16,6 +16,7 @@ from app.settings import build_panel
 from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
 
 UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
+UPLOAD_READERS = 4  # uploads read at once (a PDF each in a child process, app.pdf's limits on each)
 SHOW_REJECTED = "Show rejected drafts (struck through; a running generation keeps the choice it started with)"
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
@@ -143,7 +144,8 @@ def build_demo() -> gr.Blocks:
 
         inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, **panel}
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
-        upload.upload(callbacks.upload_document, upload, document, api_name="upload_document")
+        upload.upload(callbacks.upload_document, upload, document, api_name="upload_document",
+                      concurrency_limit=UPLOAD_READERS)
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")
         describe = dict(fn=callbacks.describe_document,
                         inputs=[document, preset_name, panel["budget"], instruction, panel["max_new_tokens"]],

@@ -20,7 +20,10 @@ from core.cli import main
 from core.loading import load_tokenizer
 from core.prompting import MAX_DOCUMENT_CHARS
 
+from app.documents import DocumentError, read_document
+from app.pdf import PdfLimits, PdfRefused, read_pdf
 from app.presets import CUSTOM, EMBEDDED
+from tests.pdfs import bomb_pdf, pages_pdf, slow_pdf, text_pdf
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt").read_text(encoding="utf-8")[:600]
@@ -157,6 +160,50 @@ def test_cli_takes_markup_in_user_text_as_text_and_still_runs(files: dict[str, P
     assert r.returncode == 0 and json.loads(r.stdout)["stats"]["stop_reason"], r.stderr
 
 
+# ---------------------------------------------------------------- PDFs, read in a child process within limits
+
+WORDS = b"BT /F1 12 Tf 72 720 Td (word) Tj ET\n"  # a content stream line that shows a word
+PDF_REFUSALS = [  # (the PDF, the limits that differ from generous ones, the reason)
+    (lambda: slow_pdf(3), {"seconds": 1}, "The PDF took over 1 s to read: split it"),
+    (lambda: bomb_pdf(4 << 20), {"stream_bytes": 1 << 20},
+     "The PDF's compressed stream expands past the limit of 1 MiB."),
+    (lambda: bomb_pdf(64 << 20), {"stream_bytes": 1 << 30, "memory_bytes": 64 << 20},
+     "The PDF needs more than 64 MiB of memory to read."),
+    (lambda: pages_pdf(WORDS, 15), {"pages": 10}, "The PDF has 15 pages; at most 10 are read: split it"),
+    (lambda: pages_pdf(WORDS, 100), {"pages": 10},
+     "The PDF's page tree has over 20 entries; at most 10 pages are read"),
+    (lambda: b"%PDF-1.4 garbage", {}, "Could not read this PDF"),
+]
+
+
+@pytest.mark.parametrize("pdf, limits, message", PDF_REFUSALS, ids=["time", "stream", "memory", "pages", "page tree",
+                                                                    "garbage"])
+def test_a_pdf_past_a_limit_is_refused_at_the_limit(pdf, limits: dict, message: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(PdfRefused) as refused:
+        read_pdf(pdf(), PdfLimits(**{"chars": MAX_DOCUMENT_CHARS, "seconds": 30, **limits}))
+    assert str(refused.value).startswith(message) and len(str(refused.value).splitlines()) == 1
+    assert time.monotonic() - started < 10
+
+
+def test_a_pdf_is_refused_at_its_character_limit_while_its_pages_are_read() -> None:
+    pdf = pages_pdf(WORDS * 5500, 60, compress=True)  # each page: 0.3 s and 22,000 characters (all of it: 18 s)
+    started = time.monotonic()
+    with pytest.raises(PdfRefused, match="The PDF has more than 30,000 characters of text; the limit is 30,000."):
+        read_pdf(pdf, PdfLimits(chars=30_000, seconds=120))
+    assert time.monotonic() - started < 10  # two pages read, not sixty
+
+
+def test_a_pdf_within_its_limits_is_read_page_by_page() -> None:
+    three = pages_pdf(b"BT /F1 12 Tf 72 720 Td (Page) Tj ET", 3)
+    assert read_pdf(three, PdfLimits(chars=100)) == "Page\n\nPage\n\nPage"
+
+
+def test_a_document_that_is_no_regular_file_is_refused_without_waiting(files: dict[str, Path]) -> None:
+    with pytest.raises(DocumentError, match=r"^The file is not a regular file \(a directory, device or pipe\)"):
+        read_document(files["fifo"])  # a FIFO no one writes to: opening it to read would wait forever
+
+
 # ---------------------------------------------------------------- the served app
 
 
@@ -243,3 +290,19 @@ def test_app_document_line_explains_bad_text(client, browser_json) -> None:
                                                   api_name="/describe_document")
     assert "fits the context" in client.predict(DOC, EMBEDDED, 64, api_name="/describe_document")
 
+
+@pytest.mark.parametrize("name, pdf, message", [
+    ("pages.pdf", lambda: slow_pdf(2000), "The PDF has 2,000 pages; at most 1,000 are read"),
+    ("bomb.pdf", lambda: bomb_pdf(64 << 20), "The PDF's compressed stream expands past the limit of 32 MiB."),
+], ids=["2000 slow pages", "flate bomb"])
+def test_app_refuses_a_crafted_pdf_in_seconds(client, tmp_path: Path, name: str, pdf, message: str) -> None:
+    from gradio_client import handle_file
+    from gradio_client.exceptions import AppError
+
+    (tmp_path / name).write_bytes(pdf())
+    started = time.monotonic()
+    with pytest.raises(AppError) as refused:
+        client.predict(handle_file(str(tmp_path / name)), api_name="/upload_document")
+    assert str(refused.value).startswith(message) and time.monotonic() - started < 20
+    (tmp_path / "ok.pdf").write_bytes(text_pdf("Fine"))
+    assert client.predict(handle_file(str(tmp_path / "ok.pdf")), api_name="/upload_document") == "Fine"
