@@ -229,12 +229,14 @@ def client(files: dict[str, Path]):
 @pytest.fixture
 def browser_json(monkeypatch) -> None:
     """Send JSON with non-ASCII escaped, as a browser's JSON.stringify does: a lone surrogate then travels as
-    \\udXXX (httpx writes raw UTF-8, which cannot hold one)."""
+    \\udXXX (httpx writes raw UTF-8, which cannot hold one); and NaN as the bare NaN that Python's JSON reader takes
+    (a request written by hand can send it)."""
     import httpx._content
 
     dumps = httpx._content.json_dumps
     monkeypatch.setattr(httpx._content, "json_dumps", lambda obj, **options: dumps(obj, **{**options,
-                                                                                           "ensure_ascii": True}))
+                                                                                           "ensure_ascii": True,
+                                                                                           "allow_nan": True}))
 
 
 def run_kwargs(**overrides) -> dict:
@@ -254,6 +256,12 @@ APP_REFUSALS = [
     ({"seed": 2**63}, "seed must be between 0 and 9223372036854775807"),
     ({"chunk_size": 0}, "chunk_size must be between 1 and 64, got 0"),
     ({"preset_name": CUSTOM}, "needs its own Python code (trust_remote_code)"),
+    ({"document": 123}, "The document must be text, got int '123'."),
+    ({"document": ["a"]}, "The document must be text, got list"),
+    ({"document": {"path": "/etc/passwd"}}, "The document must be text, got dict"),
+    ({"instruction": 123}, "The instruction must be text, got int '123'."),
+    ({"heatmap_mode": 5}, "heatmap_mode must be one of"),
+    ({"show_rejected": "no"}, "show_rejected must be true or false, got 'no'."),
 ]
 
 
@@ -289,6 +297,33 @@ def test_app_document_line_explains_bad_text(client, browser_json) -> None:
     assert "limit is 2,000,000" in client.predict("x" * (MAX_DOCUMENT_CHARS + 1), EMBEDDED, 64,
                                                   api_name="/describe_document")
     assert "fits the context" in client.predict(DOC, EMBEDDED, 64, api_name="/describe_document")
+
+
+@pytest.mark.parametrize("overrides, message", [({"document": 123}, "The document must be text, got int"),
+                                                ({"instruction": ["a"]}, "The instruction must be text, got list"),
+                                                ({"show_rejected": {"a": 1}}, "show_rejected must be true or false")])
+def test_app_compare_refuses_inputs_of_the_wrong_type_in_one_line(client, overrides: dict, message: str) -> None:
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError) as refused:
+        client.predict(**run_kwargs(**overrides), api_name="/compare")
+    assert message in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+def test_app_document_line_names_a_bad_answer_length_or_type(client, browser_json) -> None:
+    for value in (float("nan"), "x", [1]):
+        line = client.predict(DOC, EMBEDDED, 64, "", value, api_name="/describe_document")
+        assert line.startswith("⚠️ Max new tokens must be a whole number, got "), line
+    assert client.predict(123, EMBEDDED, 64, api_name="/describe_document") == \
+        "⚠️ The document must be text, got int '123'."
+
+
+@pytest.mark.parametrize("payload", [123, "x", {"path": "/etc/passwd"}])
+def test_app_upload_refuses_what_is_no_file_in_one_line(client, payload) -> None:
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="^Expected an uploaded file, got "):
+        client.predict(payload, api_name="/upload_document")
 
 
 @pytest.mark.parametrize("name, pdf, message", [
