@@ -76,18 +76,35 @@ def preset_settings(preset_name: str) -> list[dict]:
     return updates
 
 
-def describe_document(document: str, preset_name: str, budget: str | float | None, instruction: str = "",
-                      max_new_tokens: str | float | None = None) -> str:
+def text_input(label: str, value: Any) -> str:
+    """A text input as it came (None: empty); a value of another type (an API call's number, list or dict) raises
+    TriForceError."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TriForceError(f"The {label} must be text, got {type(value).__name__} {str(value)[:40]!r}.")
+    return value
+
+
+def describe_document(document: Any, preset_name: Any, budget: Any, instruction: Any = "",
+                      max_new_tokens: Any = None) -> str:
     """Token count of the document against the room a run leaves it (the context less the template, the question
-    and the answer), what a run drops, and the retrieval budget."""
-    if not document or not document.strip():
+    and the answer), what a run drops, and the retrieval budget. Its inputs come unprocessed, of any type: a bad one
+    is named in the line."""
+    try:
+        document, instruction = text_input("document", document), text_input("instruction", instruction)
+        answer = GenerationConfig.max_new_tokens if max_new_tokens in (None, "") else \
+            parse("max_new_tokens", max_new_tokens)
+    except TriForceError as err:
+        return f"⚠️ {err}"
+    if not document.strip():
         return "No document yet: pick a sample, upload a file or paste text."
-    answer = int(max_new_tokens) if isinstance(max_new_tokens, (int, float)) and 1 <= max_new_tokens <= 1 << 20 \
-        else GenerationConfig.max_new_tokens
+    if not 1 <= answer <= 1 << 20:  # a value typed half-way: count with the default answer length
+        answer = GenerationConfig.max_new_tokens
     try:
         engine, exact = counting_engine(preset_by_name(preset_name))
         budget = parse("budget", budget)
-        fit = document_fit(engine.tokenizer, document, instruction or "", engine.context_length, answer)
+        fit = document_fit(engine.tokenizer, document, instruction, engine.context_length, answer)
     except (ModelLoadError, ValueError) as err:  # TriForceError is a ValueError
         return f"⚠️ {err}"
     approx = "" if exact else " (approximate: counted with the embedded tokenizer until this preset is loaded)"
@@ -111,16 +128,30 @@ def _settings(method: str, values: Mapping[str, Any]) -> GenerationConfig:
         raise gr.Error(str(err), title="Invalid settings") from None
 
 
-def _prepare(document: str, instruction: str, preset_name: str) -> Preset:
-    """Check the inputs and load the preset's models; problems raise gr.Error."""
-    if not document or not document.strip():
+def _prepare(values: Mapping[str, Any]) -> tuple[Preset, str, str]:
+    """Check the document and the instruction (text) and load the preset's models; return the preset, the document
+    and the instruction. Problems raise gr.Error."""
+    try:
+        document, instruction = text_input("document", values["document"]), \
+            text_input("instruction", values["instruction"])
+    except TriForceError as err:
+        raise gr.Error(str(err), title="Invalid input") from None
+    if not document.strip():
         raise gr.Error("The document is empty: pick a sample, upload a file or paste text.", title="No document")
     try:
-        preset = preset_by_name(preset_name)
+        preset = preset_by_name(values["preset_name"])
         preset_engine(preset)
     except (ModelLoadError, ValueError) as err:
         raise gr.Error(str(err), title="Model not available") from None
-    return preset
+    return preset, document, instruction
+
+
+def _show_rejected(values: Mapping[str, Any]) -> bool:
+    """The show-rejected checkbox's value (absent: shown); anything but true or false raises gr.Error."""
+    show = values.get("show_rejected", True)
+    if not isinstance(show, bool) and show is not None:
+        raise gr.Error(f"show_rejected must be true or false, got {show!r:.40}.", title="Invalid input")
+    return show is not False
 
 
 def _stream(preset: Preset, document: str, instruction: str, config: GenerationConfig, state: RunState,
@@ -149,15 +180,18 @@ def run_triforce(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[d
     rejected drafts unless hidden), heatmap, document view, timeline, stats, per-level costs and run state."""
     config = _settings("triforce", values)
     progress(0, desc="Loading model")
-    chosen = _prepare(values["document"], values["instruction"], values["preset_name"])
-    mode, show = values.get("heatmap_mode") or HEATMAP_MODES[0], values.get("show_rejected") is not False
+    mode, show = values.get("heatmap_mode") or HEATMAP_MODES[0], _show_rejected(values)
+    if mode not in HEATMAP_MODES:
+        raise gr.Error(f"heatmap_mode must be one of {', '.join(HEATMAP_MODES)}, got {mode!r:.40}.",
+                       title="Invalid input")
+    chosen, document, instruction = _prepare(values)
     state = RunState(method="triforce")
     text_gate, plot_gate = Throttle(TEXT_INTERVAL_S), Throttle(PLOT_INTERVAL_S)
     yield {"status": "⏳ Starting…", "answer": [],
            "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": [],
            "timeline": timeline_html(state), "stats": "", "stats_json": {}, "costs": cost_figure([], None),
            "run_state": state}
-    for kind in _stream(chosen, values["document"], values["instruction"], config, state, progress):
+    for kind in _stream(chosen, document, instruction, config, state, progress):
         now = time.monotonic()
         force = kind in ("PromptReady", "Finished") or (kind == "RetrievalSelection"
                                                          and len(state.selection_rounds) == 1)
@@ -230,12 +264,11 @@ def run_compare(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[di
     """Autoregressive then TriForce on the same input and seed, streamed side by side, by output name."""
     configs = {"ar": _settings("ar", values), "triforce": _settings("triforce", values)}
     progress(0, desc="Loading model")
-    chosen = _prepare(values["document"], values["instruction"], values["preset_name"])
+    show = _show_rejected(values)
+    chosen, document, instruction = _prepare(values)
     runs = {"ar": RunState(method="ar"), "triforce": RunState(method="triforce")}
     gate = Throttle(TEXT_INTERVAL_S)
     is_greedy = configs["ar"].is_greedy
-
-    show = values.get("show_rejected") is not False
 
     def frame(note: str, with_plot: bool = True, with_costs: bool = False) -> dict[str, Any]:
         """All Compare outputs for the current progress; charts, timeline and verdict only when `with_plot`, the
@@ -256,8 +289,7 @@ def run_compare(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[di
     yield frame("⏳ Starting…", with_costs=True)
     plot_gate = Throttle(PLOT_INTERVAL_S)
     for method, label in (("ar", "Autoregressive"), ("triforce", "TriForce")):
-        for kind in _stream(chosen, values["document"], values["instruction"], configs[method], runs[method],
-                            progress):
+        for kind in _stream(chosen, document, instruction, configs[method], runs[method], progress):
             now = time.monotonic()
             if gate.due(now, kind == "Finished"):
                 yield frame(f"{label}: {status_markdown(runs[method])}", plot_gate.due(now, kind == "Finished"))

@@ -6,8 +6,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.config import TriForceError
+from core.inputs import read_capped
 from core.prompting import MAX_DOCUMENT_CHARS
 from core.text import html_to_text
+
+from app.pdf import PdfLimits, PdfRefused, read_pdf
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "assets" / "docs"
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
@@ -69,17 +73,12 @@ def decode_text(data: bytes) -> str:
                             "Save it as UTF-8 and upload it again.") from None
 
 
-def pdf_to_text(path: Path) -> str:
-    """Text of every page of a PDF, pages separated by blank lines."""
-    from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
-
+def pdf_to_text(data: bytes) -> str:
+    """Text of every page of a PDF, pages separated by blank lines, read by a child process within PdfLimits."""
     try:
-        reader = PdfReader(str(path))
-        pages = [page.extract_text() or "" for page in reader.pages]
-    except (PdfReadError, ValueError, KeyError, TypeError) as err:
-        raise DocumentError(f"Could not read this PDF: {err}") from None
-    return "\n\n".join(p.strip() for p in pages if p.strip())
+        return read_pdf(data, PdfLimits(chars=MAX_DOCUMENT_CHARS))
+    except PdfRefused as err:
+        raise DocumentError(str(err)) from None
 
 
 def read_document(path: str | Path) -> str:
@@ -89,13 +88,14 @@ def read_document(path: str | Path) -> str:
     if suffix not in SUPPORTED_SUFFIXES:
         raise DocumentError(f"Unsupported file type {suffix or '(none)'!r}; "
                             f"use one of {', '.join(SUPPORTED_SUFFIXES)}.")
-    size = path.stat().st_size
-    if size > MAX_UPLOAD_BYTES:
-        raise DocumentError(f"The file is {size / 2**20:.1f} MiB; the limit is {MAX_UPLOAD_BYTES / 2**20:.0f} MiB.")
+    try:
+        data = read_capped(path, MAX_UPLOAD_BYTES, "The file")
+    except TriForceError as err:
+        raise DocumentError(str(err)) from None
     if suffix == ".pdf":
-        text = pdf_to_text(path)
+        text = pdf_to_text(data)
     else:
-        text = decode_text(path.read_bytes())
+        text = decode_text(data)
         if suffix in HTML_SUFFIXES:
             text = html_to_text(text)
     if not text.strip():

@@ -18,7 +18,8 @@ except ImportError:
         """No-op stand-in for spaces.GPU off Hugging Face Spaces."""
         return fn
 
-from core import Engine, GenerationConfig
+from core import Engine, GenerationConfig, TriForceError
+from core.inputs import gpu_memory_gib, note_gpu_only
 
 from app.presets import Preset
 
@@ -57,7 +58,11 @@ def load_engine(target: str | None, draft: str | None, name: str | None = None) 
     """The engine for a target/draft pair (Engine.load caches per process), held to TRIFORCE_GPU_MEMORY_GIB of GPU
     memory when set (a larger GPU then offloads like a card of that size); failures raise ModelLoadError, which
     calls the pair `name` if given."""
-    budget = float(os.environ["TRIFORCE_GPU_MEMORY_GIB"]) if os.environ.get("TRIFORCE_GPU_MEMORY_GIB") else None
+    setting = os.environ.get("TRIFORCE_GPU_MEMORY_GIB", "").strip()
+    try:
+        budget = gpu_memory_gib(setting) if setting else None
+    except TriForceError as err:
+        raise ModelLoadError(f"TRIFORCE_GPU_MEMORY_GIB: {err}") from None
     try:
         engine = Engine.load(gpu_memory_gib=budget) if target is None else \
             Engine.load(target=target, draft=draft, gpu_memory_gib=budget)
@@ -65,6 +70,8 @@ def load_engine(target: str | None, draft: str | None, name: str | None = None) 
         name = name or (target or "the embedded model") + (f" + {draft}" if draft else "")
         raise ModelLoadError(f"Could not load {name}: {err}. "
                              "The embedded SmolLM2 preset works offline on CPU.") from err
+    if budget is not None and engine.target.device.type != "cuda":
+        note_gpu_only("TRIFORCE_GPU_MEMORY_GIB", engine.target.device.type)
     _loaded[(target, draft)] = dict(engine.info)
     return engine
 

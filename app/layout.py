@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import gradio as gr
+from gradio.data_classes import FileData
+from pydantic import ValidationError
 
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, SUPPORTED_SUFFIXES, load_samples
@@ -16,6 +18,7 @@ from app.settings import build_panel
 from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
 
 UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
+UPLOAD_READERS = 4  # uploads read at once (a PDF each in a child process, app.pdf's limits on each)
 SHOW_REJECTED = "Show rejected drafts (struck through; a running generation keeps the choice it started with)"
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
@@ -36,6 +39,19 @@ Hierarchical speculative decoding for long documents
 ([TriForce, arXiv 2404.11912](https://arxiv.org/abs/2404.11912)): a tiny drafter → the target model on a small
 retrieval cache → the target on its full cache. Pick a document, ask something, and watch which parts of the
 document the retrieval cache keeps while the answer streams."""
+
+
+class UploadPayload(FileData):
+    """An upload's payload: one that is not a file's (a number, text, a path without Gradio's marker) is refused in
+    one line, where FileData's own validation error would reach the visitor as a generic error."""
+
+    @classmethod
+    def model_validate(cls, obj: Any, **options: Any) -> FileData:
+        try:
+            return FileData.model_validate(obj, **options)
+        except ValidationError:
+            raise gr.Error(f"Expected an uploaded file, got {type(obj).__name__} {str(obj)[:40]!r}.",
+                           title="Cannot use this file") from None
 
 
 def launch_options() -> dict:
@@ -78,6 +94,7 @@ def build_demo() -> gr.Blocks:
                         upload = gr.File(label="…or upload a text, source-code, data, HTML or PDF file",
                                          file_types=list(SUPPORTED_SUFFIXES),
                                          type="filepath")
+                        upload.data_model = UploadPayload
                         document = gr.Textbox(first.read() if first else "", label="Document (paste or edit)",
                                               lines=8, max_lines=8, elem_id="document")
                         doc_info = gr.Markdown(elem_id="doc-info")
@@ -144,11 +161,13 @@ def build_demo() -> gr.Blocks:
 
         inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, **panel}
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
-        upload.upload(callbacks.upload_document, upload, document, api_name="upload_document")
+        upload.upload(callbacks.upload_document, upload, document, api_name="upload_document",
+                      concurrency_limit=UPLOAD_READERS)
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")
         describe = dict(fn=callbacks.describe_document,
                         inputs=[document, preset_name, panel["budget"], instruction, panel["max_new_tokens"]],
-                        outputs=doc_info, show_progress="hidden", trigger_mode="always_last", concurrency_limit=None)
+                        outputs=doc_info, show_progress="hidden", trigger_mode="always_last", concurrency_limit=None,
+                        preprocess=False)  # values of any type reach it, and it names a bad one
         document.change(api_name="describe_document", **describe)
         panel["budget"].change(api_visibility="private", **describe)
         preset_name.input(callbacks.preset_settings, preset_name, [panel[name] for name in PRESET_SETTINGS],

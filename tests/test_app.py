@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 import socket
 import threading
@@ -25,31 +24,12 @@ from app.settings import app_settings, build_config, build_panel
 from app.state import MAX_COLUMNS, RunState, apply_event, bin_edges, bin_max, level_costs, live_stats
 from app.views import (PROVENANCE_LABELS, REJECTED_LABELS, SPAN_LABELS, answer_pieces, document_view, stats_markdown,
                        status_markdown, struck, timeline_html)
+from tests.pdfs import text_pdf
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(max_new_tokens=16, budget=128, chunk_size=8, gamma1=2, gamma2=6, drafter="auto", reselect="once",
                 temperature=0.6, top_p=0.9, seed=0, greedy=True, overflow="truncate")
 BROKEN_TARGET = "/nonexistent/triforce-target"
-
-
-def make_pdf(text: str) -> bytes:
-    """A minimal one-page PDF whose page shows `text` (ASCII)."""
-    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
-    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
-               b"/Resources << /Font << /F1 5 0 R >> >> >>",
-               b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
-               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
-    out, offsets = io.BytesIO(), []
-    out.write(b"%PDF-1.4\n")
-    for number, body in enumerate(objects, 1):
-        offsets.append(out.tell())
-        out.write(b"%d 0 obj\n" % number + body + b"\nendobj\n")
-    xref = out.tell()
-    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
-    out.write(b"".join(b"%010d 00000 n \n" % offset for offset in offsets))
-    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
-    return out.getvalue()
 
 
 def selection_event(num_chunks: int, chunk_ids: list[list[list[int]]], round_: int = 0) -> dict:
@@ -85,7 +65,7 @@ def test_read_text_markdown_html_and_pdf(tmp_path: Path) -> None:
     (tmp_path / "b.md").write_bytes("\ufeff# Title\nbody".encode("utf-8"))
     (tmp_path / "c.html").write_text("<html><head><style>x{}</style></head><body><h1>Head</h1><script>var a;"
                                      "</script><p>One &amp; two</p></body></html>", encoding="utf-8")
-    (tmp_path / "d.pdf").write_bytes(make_pdf("Hello TriForce PDF"))
+    (tmp_path / "d.pdf").write_bytes(text_pdf("Hello TriForce PDF"))
     assert read_document(tmp_path / "a.txt") == "plain text ✓"
     assert read_document(tmp_path / "b.md") == "# Title\nbody"
     assert read_document(tmp_path / "c.html") == "Head\n\nOne & two"

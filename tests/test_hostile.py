@@ -4,26 +4,35 @@ run succeeds afterwards."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from core.cli import main
 from core.loading import load_tokenizer
 from core.prompting import MAX_DOCUMENT_CHARS
 
+from app.documents import DocumentError, read_document
+from app.pdf import PdfLimits, PdfRefused, read_pdf
 from app.presets import CUSTOM, EMBEDDED
+from tests.pdfs import bomb_pdf, pages_pdf, slow_pdf, text_pdf
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt").read_text(encoding="utf-8")[:600]
 QUESTION = "Who wrote this?"
 TINY = ["--max-new-tokens", "4", "--budget", "64", "--greedy"]
 SURROGATE = os.fsdecode(b"Why\xed\xa0\x80?")  # bytes that are no UTF-8 reach argv as lone surrogates
+CORES = len(os.sched_getaffinity(0))
+ON_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA (--tp counts CPU cores)")
+SPARSE_BYTES = 4 << 30  # a sparse file this large takes no disk, but seconds to hash
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +43,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "huge.txt").write_text("x" * (MAX_DOCUMENT_CHARS + 1), encoding="utf-8")
     (root / "im_end.txt").write_text("<|im_end|>" * 300, encoding="utf-8")
     (root / "corrupt.gguf").write_bytes(b"GGUF\x03\x00\x00\x00truncated")
+    with open(root / "zeros.gguf", "wb") as f:  # sparse: all zeros, no GGUF header
+        f.truncate(SPARSE_BYTES)
+    with open(root / "counts.gguf", "wb") as f:  # a GGUF header declaring more tensors than the file could hold
+        f.write(b"GGUF" + (3).to_bytes(4, "little") + (2**62).to_bytes(8, "little") + (1).to_bytes(8, "little"))
+        f.truncate(SPARSE_BYTES)
+    os.mkfifo(root / "fifo.txt")
     custom = root / "custom"
     custom.mkdir()
     (custom / "config.json").write_text(json.dumps({
@@ -43,7 +58,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (custom / "configuration_custom.py").write_text("raise SystemExit('custom code ran')\n")
     load_tokenizer(None).save_pretrained(custom)  # a real checkpoint's tokenizer: loading reaches the custom config
     return {p.stem: p for p in (root / "doc.txt", root / "huge.txt", root / "im_end.txt", root / "corrupt.gguf",
-                                custom)}
+                                root / "zeros.gguf", root / "counts.gguf", root / "fifo.txt", custom)}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -82,12 +97,111 @@ def test_cli_refuses_in_one_line(files: dict[str, Path], args: list[str], messag
     assert "[y/N]" not in r.stderr
 
 
+def run_main(argv: list[str]) -> int:
+    """The exit code of the CLI's entry point run in this process, argparse's refusals (SystemExit) included."""
+    try:
+        return main(argv)
+    except SystemExit as exited:
+        return exited.code
+
+
+IN_PROCESS_REFUSALS = [
+    (["--device", "meta"], "device 'meta' is not available here (Cannot copy out of meta tensor"),
+    pytest.param(["--tp", str(CORES + 1)], f"--tp {CORES + 1}: this machine has {CORES} CPU cores", marks=ON_CPU,
+                 id="--tp cores+1"),
+    pytest.param(["--tp", str(2**64)], f"--tp {2**64}: this machine has {CORES} CPU cores", marks=ON_CPU,
+                 id="--tp 2**64"),
+    pytest.param(["--tp", "2"], "--tp 2: tensor parallel over 2 processes needs query heads (9) and KV heads (3) "
+                 "divisible by 2", marks=[ON_CPU, pytest.mark.skipif(CORES < 2, reason="two cores")], id="--tp 2"),
+    *[(["--gpu-memory-gib", value], f"GPU memory must be above 0 and at most 1024 GiB, got {value}")
+      for value in ("0", "-1", "nan", "inf", "1e9")],
+    (["--gpu-memory-gib", "lots"], "GPU memory must be a number of GiB, got 'lots'"),
+    (["--doc", "/dev/zero"], "/dev/zero is not a regular file (a directory, device or pipe); give a file, or -"),
+    (["--doc", "{fifo}"], "fifo.txt is not a regular file"),
+    (["--doc", "/"], "/ is not a regular file"),
+    (["--target", "{zeros}"], "zeros.gguf: cannot load (not a GGUF file: it starts with 00000000)"),
+    (["--target", "{counts}"], "counts.gguf: cannot load (its header declares 4,611,686,018,427,387,904 tensors"),
+]
+
+
+@pytest.mark.parametrize("args, message", IN_PROCESS_REFUSALS)
+def test_cli_refuses_before_any_work_in_one_line(files: dict[str, Path], capfd, args: list[str],
+                                                 message: str) -> None:
+    """Refusals that come before a model is loaded, tried through the CLI's entry point in this process (in seconds:
+    no process is spawned, no device read, no file hashed)."""
+    args = [a.format(**files) for a in args]
+    args += [] if "--doc" in args else ["--doc", str(files["doc"])]
+    started = time.monotonic()
+    code = run_main(["generate", *args, "--prompt", QUESTION, *TINY])
+    out, err = capfd.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+    assert time.monotonic() - started < 30
+
+
+def test_cli_reads_at_most_a_documents_bytes_from_stdin(capfd, monkeypatch) -> None:
+    with open("/dev/zero", "rb") as zeros:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(zeros))
+        assert main(["generate", "--doc", "-", "--prompt", QUESTION, *TINY]) == 2
+    assert capfd.readouterr().err == "error: stdin is larger than the limit of 7.63 MiB\n"
+
+
+def test_cli_says_once_that_a_gpu_setting_has_no_effect_on_a_cpu(files: dict[str, Path]) -> None:
+    r = cli("generate", "--doc", str(files["doc"]), "--prompt", QUESTION, "--gpu-memory-gib", "8", "--device", "cpu",
+            "--json", *TINY)
+    assert r.returncode == 0 and json.loads(r.stdout)["token_ids"], r.stderr
+    assert r.stderr.count("note: --gpu-memory-gib has no effect here: the models run on cpu, not a GPU") == 1
+
+
 def test_cli_takes_markup_in_user_text_as_text_and_still_runs(files: dict[str, Path]) -> None:
     r = cli("generate", "--doc", str(files["im_end"]), "--prompt", "What is <|im_start|>system here?", "--json", *TINY)
     assert r.returncode == 0, r.stderr
     assert 1 <= len(json.loads(r.stdout)["token_ids"]) <= 4
     r = cli("generate", "--doc", str(files["doc"]), "--prompt", QUESTION, "--json", *TINY)
     assert r.returncode == 0 and json.loads(r.stdout)["stats"]["stop_reason"], r.stderr
+
+
+# ---------------------------------------------------------------- PDFs, read in a child process within limits
+
+WORDS = b"BT /F1 12 Tf 72 720 Td (word) Tj ET\n"  # a content stream line that shows a word
+PDF_REFUSALS = [  # (the PDF, the limits that differ from generous ones, the reason)
+    (lambda: slow_pdf(3), {"seconds": 1}, "The PDF took over 1 s to read: split it"),
+    (lambda: bomb_pdf(4 << 20), {"stream_bytes": 1 << 20},
+     "The PDF's compressed stream expands past the limit of 1 MiB."),
+    (lambda: bomb_pdf(64 << 20), {"stream_bytes": 1 << 30, "memory_bytes": 64 << 20},
+     "The PDF needs more than 64 MiB of memory to read."),
+    (lambda: pages_pdf(WORDS, 15), {"pages": 10}, "The PDF has 15 pages; at most 10 are read: split it"),
+    (lambda: pages_pdf(WORDS, 100), {"pages": 10},
+     "The PDF's page tree has over 20 entries; at most 10 pages are read"),
+    (lambda: b"%PDF-1.4 garbage", {}, "Could not read this PDF"),
+]
+
+
+@pytest.mark.parametrize("pdf, limits, message", PDF_REFUSALS, ids=["time", "stream", "memory", "pages", "page tree",
+                                                                    "garbage"])
+def test_a_pdf_past_a_limit_is_refused_at_the_limit(pdf, limits: dict, message: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(PdfRefused) as refused:
+        read_pdf(pdf(), PdfLimits(**{"chars": MAX_DOCUMENT_CHARS, "seconds": 30, **limits}))
+    assert str(refused.value).startswith(message) and len(str(refused.value).splitlines()) == 1
+    assert time.monotonic() - started < 10
+
+
+def test_a_pdf_is_refused_at_its_character_limit_while_its_pages_are_read() -> None:
+    pdf = pages_pdf(WORDS * 5500, 60, compress=True)  # each page: 0.3 s and 22,000 characters (all of it: 18 s)
+    started = time.monotonic()
+    with pytest.raises(PdfRefused, match="The PDF has more than 30,000 characters of text; the limit is 30,000."):
+        read_pdf(pdf, PdfLimits(chars=30_000, seconds=120))
+    assert time.monotonic() - started < 10  # two pages read, not sixty
+
+
+def test_a_pdf_within_its_limits_is_read_page_by_page() -> None:
+    three = pages_pdf(b"BT /F1 12 Tf 72 720 Td (Page) Tj ET", 3)
+    assert read_pdf(three, PdfLimits(chars=100)) == "Page\n\nPage\n\nPage"
+
+
+def test_a_document_that_is_no_regular_file_is_refused_without_waiting(files: dict[str, Path]) -> None:
+    with pytest.raises(DocumentError, match=r"^The file is not a regular file \(a directory, device or pipe\)"):
+        read_document(files["fifo"])  # a FIFO no one writes to: opening it to read would wait forever
 
 
 # ---------------------------------------------------------------- the served app
@@ -115,12 +229,14 @@ def client(files: dict[str, Path]):
 @pytest.fixture
 def browser_json(monkeypatch) -> None:
     """Send JSON with non-ASCII escaped, as a browser's JSON.stringify does: a lone surrogate then travels as
-    \\udXXX (httpx writes raw UTF-8, which cannot hold one)."""
+    \\udXXX (httpx writes raw UTF-8, which cannot hold one); and NaN as the bare NaN that Python's JSON reader takes
+    (a request written by hand can send it)."""
     import httpx._content
 
     dumps = httpx._content.json_dumps
     monkeypatch.setattr(httpx._content, "json_dumps", lambda obj, **options: dumps(obj, **{**options,
-                                                                                           "ensure_ascii": True}))
+                                                                                           "ensure_ascii": True,
+                                                                                           "allow_nan": True}))
 
 
 def run_kwargs(**overrides) -> dict:
@@ -140,6 +256,12 @@ APP_REFUSALS = [
     ({"seed": 2**63}, "seed must be between 0 and 9223372036854775807"),
     ({"chunk_size": 0}, "chunk_size must be between 1 and 64, got 0"),
     ({"preset_name": CUSTOM}, "needs its own Python code (trust_remote_code)"),
+    ({"document": 123}, "The document must be text, got int '123'."),
+    ({"document": ["a"]}, "The document must be text, got list"),
+    ({"document": {"path": "/etc/passwd"}}, "The document must be text, got dict"),
+    ({"instruction": 123}, "The instruction must be text, got int '123'."),
+    ({"heatmap_mode": 5}, "heatmap_mode must be one of"),
+    ({"show_rejected": "no"}, "show_rejected must be true or false, got 'no'."),
 ]
 
 
@@ -175,3 +297,47 @@ def test_app_document_line_explains_bad_text(client, browser_json) -> None:
     assert "limit is 2,000,000" in client.predict("x" * (MAX_DOCUMENT_CHARS + 1), EMBEDDED, 64,
                                                   api_name="/describe_document")
     assert "fits the context" in client.predict(DOC, EMBEDDED, 64, api_name="/describe_document")
+
+
+@pytest.mark.parametrize("overrides, message", [({"document": 123}, "The document must be text, got int"),
+                                                ({"instruction": ["a"]}, "The instruction must be text, got list"),
+                                                ({"show_rejected": {"a": 1}}, "show_rejected must be true or false")])
+def test_app_compare_refuses_inputs_of_the_wrong_type_in_one_line(client, overrides: dict, message: str) -> None:
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError) as refused:
+        client.predict(**run_kwargs(**overrides), api_name="/compare")
+    assert message in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+def test_app_document_line_names_a_bad_answer_length_or_type(client, browser_json) -> None:
+    for value in (float("nan"), "x", [1]):
+        line = client.predict(DOC, EMBEDDED, 64, "", value, api_name="/describe_document")
+        assert line.startswith("⚠️ Max new tokens must be a whole number, got "), line
+    assert client.predict(123, EMBEDDED, 64, api_name="/describe_document") == \
+        "⚠️ The document must be text, got int '123'."
+
+
+@pytest.mark.parametrize("payload", [123, "x", {"path": "/etc/passwd"}])
+def test_app_upload_refuses_what_is_no_file_in_one_line(client, payload) -> None:
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="^Expected an uploaded file, got "):
+        client.predict(payload, api_name="/upload_document")
+
+
+@pytest.mark.parametrize("name, pdf, message", [
+    ("pages.pdf", lambda: slow_pdf(2000), "The PDF has 2,000 pages; at most 1,000 are read"),
+    ("bomb.pdf", lambda: bomb_pdf(64 << 20), "The PDF's compressed stream expands past the limit of 32 MiB."),
+], ids=["2000 slow pages", "flate bomb"])
+def test_app_refuses_a_crafted_pdf_in_seconds(client, tmp_path: Path, name: str, pdf, message: str) -> None:
+    from gradio_client import handle_file
+    from gradio_client.exceptions import AppError
+
+    (tmp_path / name).write_bytes(pdf())
+    started = time.monotonic()
+    with pytest.raises(AppError) as refused:
+        client.predict(handle_file(str(tmp_path / name)), api_name="/upload_document")
+    assert str(refused.value).startswith(message) and time.monotonic() - started < 20
+    (tmp_path / "ok.pdf").write_bytes(text_pdf("Fine"))
+    assert client.predict(handle_file(str(tmp_path / "ok.pdf")), api_name="/upload_document") == "Fine"
