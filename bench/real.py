@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.common import DOCS, RESULTS, environment, finish, merge_summary, save
-from bench.needle import FILLER, NEEDLE, PASSKEY
+from bench.needle import FILLER, NEEDLE
 from core import Engine, GenerationConfig
 from core.events import Finished
 
@@ -227,7 +227,7 @@ def main() -> None:
                 base = dict(max_new_tokens=args.new_tokens, offload="on" if regime == "offload" else "off")
                 result = prompt_runs(engine, doc, INSTRUCTIONS[kind], base)
                 data.setdefault(regime, {})[f"{kind}@{ctx}"] = result
-                s, g = result["sampled"], result["greedy"]
+                s = result["sampled"]
                 print(f"{regime} {kind}@{ctx}: AR {s['ar']['ms_per_token']:.2f} ms/token; sampled "
                       + ", ".join(f"{n} {r['speedup']:.2f}x" for n, r in s.items() if n != "ar")
                       + f"; L1 {s['triforce-model']['level1_acceptance']:.2f} L2 "

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import transformers

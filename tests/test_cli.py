@@ -33,7 +33,7 @@ def test_generate_json(tmp_path, embedded):
     stats = out["stats"]
     assert (stats["settings"]["budget"], stats["settings"]["repetition_penalty"]) == (128, 1.2)  # flag, preset
     assert r.stderr.strip() == "preset smollm2-135m: --repetition-penalty 1.2 (a flag overrides)"
-    assert stats["dropped_tokens"] == 0 and stats["method"] == "triforce"
+    assert stats["dropped_tokens"] == 0 and stats["method"] == "auto"  # the default method
     assert {"level1_acceptance", "level2_acceptance", "tokens_per_s"} <= set(stats)
 
 
