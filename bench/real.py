@@ -25,6 +25,7 @@ import torch
 
 from bench.common import DOCS, RESULTS, environment, finish, merge_summary, save
 from bench.needle import FILLER, NEEDLE
+from bench.offload import h2d_gb_s
 from core import Engine, GenerationConfig
 from core.events import Finished
 
@@ -104,20 +105,6 @@ def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict) -> dict:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def h2d_gb_s(gib: int = 1, reps: int = 10) -> float:
-    """Page-locked host -> GPU copy bandwidth (GB/s), as the offloaded cache copies."""
-    from core.kvcache import pinned_empty
-    host = pinned_empty((gib << 30,), torch.uint8, True)
-    dev = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    return reps * host.numel() / (time.perf_counter() - t0) / 1e9
 
 
 def anatomy(engine: Engine, doc: str, instruction: str, bw: float | None) -> dict:

@@ -12,7 +12,7 @@ import torch
 
 from core.kvcache import KVCache
 from core.model import Transformer
-from core.ops import DECODE_TOKENS
+from core.ops import DECODE_TOKENS, TorchOps
 
 
 @dataclass
@@ -40,16 +40,17 @@ class Graphs:
         return model.ops.device_steps and cache.on_cuda and cache.resident and n <= DECODE_TOKENS and \
             model.rotary.rope_type != "dynamic"
 
-    def step(self, model: Transformer, cache: KVCache, ids: list[int], n_rows: int, record: int
+    def step(self, model: Transformer, cache: KVCache, ids: list[int], n_rows: int, record: int, ops: TorchOps
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """model.step(ids, cache, n_rows, record) replayed from a graph (captured on first use of this shape)."""
+        """model.step(ids, cache, n_rows, record, ops=ops) replayed from a graph (captured on first use of this
+        shape: a cache serves one level, so always with the same operators)."""
         cache.begin(len(ids))
         graphs = self.by_cache.setdefault(cache, {})
         key = (len(ids), n_rows, record)
         g = graphs.get(key)
         if g is None:
             t0 = time.perf_counter()
-            g = graphs[key] = _capture(model, cache, torch.tensor(ids, device=cache.device), n_rows, record)
+            g = graphs[key] = _capture(model, cache, torch.tensor(ids, device=cache.device), n_rows, record, ops)
             torch.cuda.synchronize(cache.device)
             self.capture_s += time.perf_counter() - t0
         else:
@@ -59,18 +60,19 @@ class Graphs:
         return g.hidden.clone(), list(g.queries)
 
 
-def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int, record: int) -> Graph:
+def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int, record: int, ops: TorchOps
+             ) -> Graph:
     """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture one step; the cache's host
     bookkeeping is put back after each (the caller's replay is the step that counts)."""
     before = cache.seq_len
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        model.step(ids, cache, n_rows, record)
+        model.step(ids, cache, n_rows, record, ops=ops)
     cache.truncate(before)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        hidden, queries = model.step(ids, cache, n_rows, record)
+        hidden, queries = model.step(ids, cache, n_rows, record, ops=ops)
     cache.truncate(before)
     return Graph(graph, ids, hidden, queries)

@@ -122,7 +122,7 @@ class ModelDrafter:
 
     def __init__(self, model: Transformer, cfg: GenerationConfig, prompt: list[int], vocab_size: int,
                  generator: torch.Generator, cache: StreamingCache, graphs: Graphs | None = None):
-        self.level = Level(model, cache, [], graphs)
+        self.level = Level(model, cache, [], graphs, drafting=True)
         self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator
         self.repetition = Repetition(cfg, vocab_size, model.device, len(prompt))  # q nearer the target's penalised p
         self.lookup = NgramDrafter(max(cfg.ngram_max, cfg.lookup_min)) if cfg.lookup_min else None
@@ -163,7 +163,7 @@ class ModelDrafter:
                     continue
             h = self.level.states(seq, 1, trusted, extra + tokens)
             # the feature produced the token before `tokens`: it lies len(tokens) + 1 positions back
-            logits = model.head(model.fusion(h, feature, len(tokens) + 1) if fuse else h)
+            logits = self.level.head(model.fusion(h, feature, len(tokens) + 1) if fuse else h)
             q = distributions(self.repetition(logits if ids is not None else self._align(logits), seq,
                                               extra + tokens, ids), self.cfg)[0]
             if self.cfg.draft_confidence and agree(self._confidence(logits, q) < self.cfg.draft_confidence)[0]:

@@ -181,7 +181,7 @@ class Engine:
         stats = []
         for settings in ({"method": "ar", "greedy": True}, {"method": "triforce", "greedy": True},
                          {"method": "triforce"}, {"method": "auto"}):
-            cfg = GenerationConfig(max_new_tokens=new_tokens, overflow="truncate", **settings)
+            cfg = self.settings(max_new_tokens=new_tokens, overflow="truncate", **settings)  # the preset's budget
             stats += [e.stats for e in self.generate(document, question, cfg) if isinstance(e, Finished)]
         self.release()
         return stats

@@ -34,8 +34,10 @@ class Stopped(Exception):
 class Level:
     """Feeds a model exactly the tokens its cache lacks, rolling the cache back where the sequence changed."""
 
-    def __init__(self, model: Transformer, cache: KVCache, tokens: list[int], graphs: Graphs | None = None):
+    def __init__(self, model: Transformer, cache: KVCache, tokens: list[int], graphs: Graphs | None = None,
+                 drafting: bool = False):
         self.model, self.cache, self.graphs = model, cache, graphs  # graphs: replay decode steps (None: eager)
+        self.drafting = drafting  # its output is a draft: the model's drafting operators serve it
         self.tokens = list(tokens)  # the sequence the cache holds keys/values for
         self.forwards = 0
         self.queries: list[torch.Tensor] = []  # per layer, the queries the last forward recorded [Hkv, rows, D]
@@ -46,11 +48,20 @@ class Level:
         `trusted`: a length up to which seq is known to equal what this level saw before (skips comparing it).
         `extra`: tokens after seq, passed apart so that a long seq is never copied.
         """
-        return self.model.head(self.states(seq, n_last, trusted, extra))
+        return self.head(self.states(seq, n_last, trusted, extra))
+
+    @property
+    def ops(self):
+        """The operators this level computes with."""
+        return self.model.ops.drafting() if self.drafting else self.model.ops
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states this level computed."""
+        return self.model.head(hidden, self.ops)
 
     def states(self, seq: list[int], n_last: int, trusted: int = 0, extra: Sequence[int] = (), record: int = 0
                ) -> torch.Tensor:
-        """The normed hidden states [n_last, D] of the last n_last positions of seq + extra (logits: model.head);
+        """The normed hidden states [n_last, D] of the last n_last positions of seq + extra (logits: self.head);
         with `record`, self.queries holds the group-summed queries of the last `record` positions."""
         total = len(seq) + len(extra)
         start = min(trusted, len(self.tokens), total - n_last)
@@ -60,7 +71,7 @@ class Level:
         new = tail[keep - start:]
         # The device kernels compute a row of a decode step as a one-token step would; a longer input (a level-3
         # draft over DECODE_TOKENS) is fed in decode-step pieces so that every row keeps that property.
-        piece = DECODE_TOKENS if self.model.ops.device_steps else len(new)
+        piece = DECODE_TOKENS if self.ops.device_steps else len(new)
         outs, queries = [], []
         for a in range(0, len(new), piece):
             part = new[a:a + piece]
@@ -77,9 +88,10 @@ class Level:
     def _step(self, new: list[int], n_rows: int, record: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One forward of `new` after the cached tokens: replayed from a CUDA graph where one applies."""
         if self.graphs is not None and self.graphs.applies(self.model, self.cache, len(new)):
-            return self.graphs.step(self.model, self.cache, new, n_rows, record)
+            return self.graphs.step(self.model, self.cache, new, n_rows, record, self.ops)
         self.cache.begin(len(new))
-        return self.model.step(torch.tensor(new, device=self.model.device), self.cache, n_rows, record)
+        return self.model.step(torch.tensor(new, device=self.model.device), self.cache, n_rows, record,
+                               ops=self.ops)
 
     def prefill(self, ids: list[int], chunk: int, record: int = 0, stop: threading.Event | None = None
                 ) -> Iterator[int]:
@@ -95,7 +107,7 @@ class Level:
             self.cache.begin(len(piece))
             last = a + chunk >= len(ids)
             _, queries = self.model.step(torch.tensor(piece, device=self.model.device), self.cache, 0,
-                                         record if last else 0, between if stop is not None else None)
+                                         record if last else 0, between if stop is not None else None, self.ops)
             if last:
                 self.queries = queries
             self.tokens.extend(piece)

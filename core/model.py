@@ -207,7 +207,7 @@ class MLP(nn.Module):
         if self.w13 is None:
             hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
         else:
-            hidden = ops.silu_mul(ops.linear(x, self.w13))
+            hidden = ops.swiglu(x, self.w13)
         return ops.linear_add(residual, hidden, self.down_proj.weight)
 
 
@@ -285,12 +285,14 @@ class Transformer(nn.Module):
         return self.head(self.step(ids, cache, n_logits)[0])
 
     def step(self, ids: torch.Tensor, cache: AttentionCache, n_rows: int | None = None, record: int = 0,
-             between: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+             between: Callable[[], None] | None = None, ops: TorchOps | None = None
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """forward after cache.begin, up to the final norm: the normed hidden states [n_rows, D] of the last n_rows
         positions (all when None), and per layer the group-summed rotated queries [Hkv, record, D] of the last
         `record` positions (none when 0). Device work only, so a CUDA graph can capture it; `between` (eager calls
-        only) runs before each layer, e.g. to stop a long prefill forward by raising."""
-        ops = self.ops
+        only) runs before each layer, e.g. to stop a long prefill forward by raising; `ops`: other operators than
+        the model's own (a drafting level's)."""
+        ops = ops or self.ops
         cos, sin = self.rotary.cos_sin(cache.positions(), self.dtype)
         step = Step(cos, sin, cache, record)
         x = self.embed_tokens(ids)
@@ -320,9 +322,9 @@ class Transformer(nn.Module):
         total = sum(p.nbytes for p in self.parameters())
         return total if self.lm_head.weight is embedding else total - embedding.nbytes
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of normed hidden states."""
-        return self.ops.logits(hidden, self.lm_head.weight)
+    def head(self, hidden: torch.Tensor, ops: TorchOps | None = None) -> torch.Tensor:
+        """Float32 logits of normed hidden states (through `ops`, default the model's own)."""
+        return (ops or self.ops).logits(hidden, self.lm_head.weight)
 
     def restrict_head(self, ids: torch.Tensor) -> None:
         """Score only the token ids `ids` (a draft's reduced head): logits come in that order, `vocab_ids` maps them

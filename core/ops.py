@@ -104,6 +104,15 @@ class TorchOps:
         """Float32 logits x @ weight.T of the LM head."""
         return F.linear(x, weight).float()
 
+    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x @ gate_up.T (gate rows first)."""
+        return self.silu_mul(F.linear(x, gate_up))
+
+    def drafting(self) -> TorchOps:
+        """The operators for a level whose output is only a draft (levels 1 and 2): no need to compute a row of a
+        many-token step exactly as a one-token step, so the fastest kernel may serve each shape."""
+        return self
+
     def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """residual + x @ weight.T (+ bias); in place (the add rides in the GEMM) when no gradient needs residual."""
@@ -144,15 +153,18 @@ class TritonOps(TorchOps):
     """CUDA decode steps through Triton kernels: split-K attention over the cache in place (lengths read from device
     memory), fused RoPE + store, RMSNorm, SwiGLU, a GEMV for every projection and the LM head (adding into the
     residual where one follows), and a chunk gather. Each computes a row of a k-row step exactly as a 1-row step
-    (core.kernels says how), so greedy TriForce is token-identical to autoregressive decoding. Longer inputs
-    (prefill) keep cuBLAS and SDPA."""
+    (core.kernels says how), so greedy TriForce is token-identical to autoregressive decoding; the drafting levels
+    (`drafting()`) keep cuBLAS for the gate/up projection and the LM head. Longer inputs (prefill) keep cuBLAS and
+    SDPA."""
 
     name = "triton"
     device_steps = True
 
-    def __init__(self, kernels: ModuleType, gemv: bool = True):
+    def __init__(self, kernels: ModuleType, gemv: bool = True, invariant: bool = True):
         self.k = kernels
         self.gemv = gemv  # False: cuBLAS projections (TRIFORCE_GEMV=0), to compare
+        self.invariant = invariant  # the gate/up projection and the LM head through the GEMV too (else cuBLAS)
+        self._drafting: TritonOps | None = None
 
     def _gemv(self, x: torch.Tensor) -> bool:
         return self.gemv and x.dim() == 2 and x.shape[0] <= DECODE_TOKENS
@@ -168,10 +180,20 @@ class TritonOps(TorchOps):
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A decode step's logits from the GEMV, accumulated and written in float32 (no bf16 rounding of them)."""
-        if not self._gemv(x):
+        if not (self.invariant and self._gemv(x)):
             return super().logits(x, weight)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
         return self.k.gemv(x, weight, None, out, DECODE_TOKENS, accumulate=False)
+
+    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.silu_mul(self.linear(x, gate_up)) if self.invariant else super().swiglu(x, gate_up)
+
+    def drafting(self) -> TorchOps:
+        if not self.invariant:
+            return self
+        if self._drafting is None:
+            self._drafting = TritonOps(self.k, self.gemv, invariant=False)
+        return self._drafting
 
     def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:

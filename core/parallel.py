@@ -94,6 +94,11 @@ class ParallelOps:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    def drafting(self) -> "ParallelOps":
+        """The inner operators' drafting variant, still summing over the group."""
+        inner = self.inner.drafting()
+        return self if inner is self.inner else ParallelOps(inner, self.group)
+
     def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """residual + the group's sum of x @ weight.T (+ bias)."""

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from core.events import verified
 
 SWITCH_GAIN = 1.10  # another plan must be expected this much faster to replace the current one
-MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it
+MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it (and between two reconsiderations)
+GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15)  # the draft lengths weighed (every one would cost more than it tells)
 MAX_SWITCHES = 6  # per run, once the costs are measured
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
 
@@ -168,11 +169,12 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
 
 
 def candidates(level1: bool, gamma1_max: int, gamma2_max: int) -> list[Hierarchy]:
-    """Every hierarchy and γ a run may use (level 1 only where a drafter is there)."""
-    out = [AUTOREGRESSIVE] + [Hierarchy(False, True, 0, g) for g in range(1, gamma2_max + 1)]
+    """The hierarchies and γs a run weighs (level 1 only where a drafter is there)."""
+    gammas = [g for g in GAMMAS if g < gamma2_max] + [gamma2_max]
+    out = [AUTOREGRESSIVE] + [Hierarchy(False, True, 0, g) for g in gammas]
     if level1:
-        out += [Hierarchy(True, False, 0, g) for g in range(1, gamma2_max + 1)]
-        out += [Hierarchy(True, True, g1, g2) for g1 in range(1, gamma1_max + 1) for g2 in range(1, gamma2_max + 1)]
+        out += [Hierarchy(True, False, 0, g) for g in gammas]
+        out += [Hierarchy(True, True, g1, g2) for g1 in range(1, gamma1_max + 1) for g2 in gammas]
     return out
 
 
@@ -185,8 +187,8 @@ def best(options: list[Hierarchy], e: Estimates) -> tuple[Hierarchy, float] | No
 @dataclass
 class Planner:
     """One run's hierarchy, round by round. While costs are unmeasured it measures: a round of the fullest
-    hierarchy, then an autoregressive one. Then it keeps its plan unless another is expected SWITCH_GAIN times
-    faster, the plan has run MIN_ROUNDS rounds and fewer than MAX_SWITCHES switches were made."""
+    hierarchy, then an autoregressive one. Then every MIN_ROUNDS rounds it weighs the candidates again and switches
+    when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times."""
 
     estimates: Estimates
     level1: bool
@@ -205,11 +207,13 @@ class Planner:
             return self._set(fullest, "measuring what each level costs")
         if 1 not in c.level3:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
+        fresh = self.current is None or self.reason.startswith("measuring")
+        due = self.rounds >= MIN_ROUNDS and self.rounds % MIN_ROUNDS == 0 and self.switches < MAX_SWITCHES
+        if not (fresh or due):  # weighing every candidate costs more than a small model's decode step
+            return self.current
         h, r = best(candidates(self.level1, self.gamma1_max, self.gamma2_max), self.estimates)
         now = rate(self.current, self.estimates) if self.current else None
-        settled = self.rounds >= MIN_ROUNDS and self.switches < MAX_SWITCHES
-        fresh = self.reason.startswith("measuring")
-        if fresh or now is None or (h != self.current and settled and r > SWITCH_GAIN * now):
+        if fresh or now is None or (h != self.current and r > SWITCH_GAIN * now):
             return self._set(h, self.explain(h, r))
         return self.current
 

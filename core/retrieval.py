@@ -192,10 +192,11 @@ class Retrieval:
         return RetrievalSelection(round_, position, self.cfg.chunk_size, self.index.num_chunks, self.index.length,
                                   self.cfg.budget, ids.tolist(), time.perf_counter() - t0, self.cache.nbytes)
 
-    def sync(self, level2: Level, target: Level, seq: list[int], committed: int) -> None:
+    def sync(self, level2: Level, target: Level, seq: list[int], known: int) -> None:
         """Drop level 2's rejected tokens and give every token the full cache holds since the last sync the full
-        cache's keys/values: the ones level 2 drafted, and those of rounds it sat out."""
-        valid = common_prefix(target.tokens, seq, committed, len(seq))
+        cache's keys/values: the ones level 2 drafted, and those of rounds it sat out. `known`: a length up to which
+        the full cache is known to hold seq."""
+        valid = common_prefix(target.tokens, seq, known, len(seq))
         keep = common_prefix(level2.tokens, seq, self.synced, valid)
         level2.cache.truncate(keep)
         del level2.tokens[keep:]

@@ -56,7 +56,7 @@ class TriForce:
         self.planner = Planner(estimates, level1, cfg.gamma1, cfg.gamma2) if estimates else None
         model = target.model
         self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
-        self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs)
+        self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs, drafting=True)
         self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
         self.counts = Acceptance()
         self.fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2)
@@ -76,12 +76,16 @@ class TriForce:
                 self.plans.append(h.name)
                 yield PlanChosen(round_, h.name, self.planner.reason, h.level1, h.level2, h.gamma1, h.gamma2)
             committed = len(seq)
+            t0 = time.perf_counter()
+            if h.level2:  # level 2's cache takes what level 3 verified since it was last in step, whatever drafted it
+                retrieval.sync(self.level2, target, seq, retrieval.synced)
+            sync_s = time.perf_counter() - t0
             draft = yield from self.draft(h, seq, committed, round_, feature)
             t0 = time.perf_counter()
             reselect = h.level2 and retrieval.policy.due(round_)
             n = len(draft.tokens)
             h3 = target.states(seq, n + 1, committed, draft.tokens, record=n + 1 if reselect else 0)
-            p3 = distributions(self.repetition(target.model.head(h3), seq, draft.tokens), cfg)
+            p3 = distributions(self.repetition(target.head(h3), seq, draft.tokens), cfg)
             accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q) if draft.q else None, p3,
                                                  self.generator)
             feature = h3[accepted]
@@ -94,21 +98,18 @@ class TriForce:
             yield Verdict(3, round_, draft.tokens, accepted, token, accepted == n)
             seq += draft.tokens[:accepted] + [token]
             yield self.out.add(draft.tokens[:accepted] + [token], draft.provenance[:accepted] + ["level3"], round_)
-            t0 = time.perf_counter()
-            retrieval.sync(self.level2, target, seq, committed)
             selection_s = 0.0
             if reselect and not self.out.done:
                 event = retrieval.select(target.queries, accepted, round_ + 1, committed + accepted)
                 selection_s = event.seconds
                 yield event
-            sync_s = time.perf_counter() - t0 - selection_s
             measured = (draft.level1_tokens, draft.level1_s * 1e3, draft.level2_forwards, draft.level2_s * 1e3,
                         n + 1, level3_s * 1e3, (sync_s + selection_s) * 1e3)
             if self.planner:
                 self.planner.observe(*measured)
             else:
                 self.costs.observe(*measured)
-            yield StepTiming(round_, draft.level1_s * 1e3, draft.level2_s * 1e3, (level3_s + sync_s) * 1e3,
+            yield StepTiming(round_, draft.level1_s * 1e3, (draft.level2_s + sync_s) * 1e3, level3_s * 1e3,
                              selection_s * 1e3, accepted + 1)
             round_ += 1
 
@@ -160,7 +161,7 @@ class TriForce:
                 else ([], None, [])
             t1 = time.perf_counter()
             h2 = level2.states(seq, len(proposals) + 1, committed, draft.tokens + proposals)
-            p2 = distributions(self.repetition(level2.model.head(h2), seq, draft.tokens + proposals), cfg)
+            p2 = distributions(self.repetition(level2.head(h2), seq, draft.tokens + proposals), cfg)
             # The residual is explicit here: the reference code samples from p2 instead, which biases level 3's q.
             accepted, token = speculative_verify(proposals, q1, p2, self.generator, residual=residual_distribution)
             draft.level1_s += t1 - t0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from core.kvcache import KVCache
+from core.ops import TORCH
 from tests.tiny import tiny_config, tiny_pair
 
 ROPES = {
@@ -103,8 +104,13 @@ def test_prefill_uses_flash_attn_when_installed(monkeypatch):
 
 def test_dequantised_gguf_cache_is_keyed_by_content(tmp_path):
     """One cached checkpoint per model: the same file in two places shares it, another file does not."""
+    import struct
+
+    from core.inputs import GGUF_MAGIC
     from core.loading import Source, _cache_dir
-    for name, data in (("a", b"same bytes"), ("b", b"same bytes"), ("c", b"other bytes")):
+    header = struct.pack("<IIQQ", GGUF_MAGIC, 3, 1, 1)  # one tensor and one metadata entry: a header that reads
+    for name, data in (("a", header + b"same bytes" * 20), ("b", header + b"same bytes" * 20),
+                       ("c", header + b"other bytes" * 20)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "m.gguf").write_bytes(data)
     a, b, c = (_cache_dir(Source("m", str(tmp_path / n), "m.gguf")) for n in "abc")
@@ -143,3 +149,32 @@ def test_row_wise_cpu_ops_compute_each_row_as_a_one_row_input():
             assert torch.equal(norm[i], TORCH.rms_norm(x[i:i + 1], w, 1e-5)[0])
             assert torch.equal(rope[:, i], TORCH.rope_heads(heads[i:i + 1], cos[i:i + 1], sin[i:i + 1])[:, 0])
             assert torch.equal(act[i], TORCH.silu_mul(gate_up[i:i + 1])[0])
+
+
+def test_level_3_projects_through_the_invariant_gemv_and_drafting_levels_through_cublas():
+    """TritonOps (here over a stand-in for core.kernels that records its calls): the gate/up projection and the LM
+    head of a decode step go to the GEMV, whose rows do not depend on the row count, unless the operators are the
+    drafting ones (levels 1 and 2), which keep cuBLAS for them; the other projections take the GEMV either way."""
+    from types import SimpleNamespace
+
+    from core.ops import TritonOps
+
+    calls = []
+
+    def gemv(x, weight, bias, out, rows, accumulate=True):
+        calls.append(tuple(weight.shape))
+        y = torch.nn.functional.linear(x, weight, bias)
+        return y if out is None else out.copy_(y) if not accumulate else out.add_(y)
+
+    kernels = SimpleNamespace(gemv=gemv, silu_mul=lambda t: TORCH.silu_mul(t))
+    invariant = TritonOps(kernels)
+    x, gate_up, head = torch.randn(3, 8), torch.randn(32, 8), torch.randn(50, 8)
+    for ops, through_gemv in ((invariant, True), (invariant.drafting(), False)):
+        calls.clear()
+        torch.testing.assert_close(ops.swiglu(x, gate_up), TORCH.swiglu(x, gate_up))
+        logits = ops.logits(x, head)
+        assert logits.dtype == torch.float32 and torch.allclose(logits, TORCH.logits(x, head), atol=1e-5)
+        assert calls == ([(32, 8), (50, 8)] if through_gemv else [])
+        ops.linear(x, gate_up)
+        assert calls[-1] == (32, 8)  # a plain projection: the GEMV in both
+    assert invariant.drafting().drafting() is invariant.drafting() and TORCH.drafting() is TORCH
