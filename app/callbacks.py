@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
-from core import GenerationConfig, TriForceError, compare
+from core import GenerationConfig, TriForceError
+from core.compare import difference_note, first_difference
+from core.events import Event, Finished, PromptReady, RetrievalSelection
 from core.prompting import document_fit
 
 from app.documents import DocumentError, load_samples, read_document
@@ -19,12 +24,17 @@ from app.explainer import engine_table
 from app.inference import ModelLoadError, counting_engine, load_engine, loaded_infos, preset_engine, stream_events
 from app.presets import PRESET_SETTINGS, Preset, panel_overrides, preset_by_name
 from app.settings import build_config, parse, widget_args
-from app.state import RunState, apply_event, live_stats
-from app.views import answer_pieces, document_view, stats_for, stats_markdown, status_markdown, timeline_html
+from app.state import RunState, apply_event, budget_share, live_stats, raw_data
+from app.views import (answer_html, document_html, plan_line, stats_for, stats_markdown, status_markdown,
+                       timeline_html)
 
 PLOT_INTERVAL_S = 0.25  # heatmap and document view: at most 4 updates per second
 TEXT_INTERVAL_S = 0.1  # answer, stats and status: at most 10 updates per second
 GENERIC_INSTRUCTIONS = ("Summarise the document in a few sentences.", "Continue the text.")
+METHOD_NAMES = {"auto": "Method auto (the planner picks the levels)", "triforce": "TriForce (levels 1 → 2 → 3)",
+                "ar": "Autoregressive"}
+RAW_DIR = Path(tempfile.gettempdir()) / "triforce-studio"  # the Raw stats downloads (Gradio serves a copy)
+RAW_FILES_KEPT = 16
 
 
 class Throttle:
@@ -89,8 +99,8 @@ def text_input(label: str, value: Any) -> str:
 def describe_document(document: Any, preset_name: Any, budget: Any, instruction: Any = "",
                       max_new_tokens: Any = None) -> str:
     """Token count of the document against the room a run leaves it (the context less the template, the question
-    and the answer), what a run drops, and the retrieval budget. Its inputs come unprocessed, of any type: a bad one
-    is named in the line."""
+    and the answer), what a run drops, and the retrieval budget's share of the prompt: the counts a run with these
+    inputs reports. Its inputs come unprocessed, of any type: a bad one is named in the line."""
     try:
         document, instruction = text_input("document", document), text_input("instruction", instruction)
         answer = GenerationConfig.max_new_tokens if max_new_tokens in (None, "") else \
@@ -113,10 +123,10 @@ def describe_document(document: Any, preset_name: Any, budget: Any, instruction:
     line = (f"**Document:** {'' if fit.exact else 'about '}{fit.document_tokens:,} tokens{approx} · model context "
             f"{engine.context_length:,}, {fit.room:,} left for the document beside the template, the question and "
             f"{answer:,} answer tokens → {fate}")
-    if budget:
-        kept = min(fit.document_tokens, fit.room)
-        share = "the whole document" if budget >= kept else f"{100 * budget / kept:.1f} % of the document"
-        line += f" · budget {int(budget):,} tokens = {share}"
+    share = budget_share(budget, fit.prompt_tokens)
+    if share is not None:
+        line += (f" · budget {int(budget):,} tokens = " +
+                 ("the whole prompt" if share == 100 else f"{share:.1f} % of the {fit.prompt_tokens:,}-token prompt"))
     return line
 
 
@@ -146,72 +156,81 @@ def _prepare(values: Mapping[str, Any]) -> tuple[Preset, str, str]:
     return preset, document, instruction
 
 
-def _show_rejected(values: Mapping[str, Any]) -> bool:
-    """The show-rejected checkbox's value (absent: shown); anything but true or false raises gr.Error."""
-    show = values.get("show_rejected", True)
-    if not isinstance(show, bool) and show is not None:
-        raise gr.Error(f"show_rejected must be true or false, got {show!r:.40}.", title="Invalid input")
-    return show is not False
-
-
-def _stream(preset: Preset, document: str, instruction: str, config: GenerationConfig, state: RunState,
-            progress: gr.Progress) -> Iterator[str]:
-    """Fold the engine's events into `state`; yield each event's kind. Engine errors become gr.Error."""
+def _stream(preset: Preset, document: str, instruction: str, config: GenerationConfig, state: RunState
+            ) -> Iterator[Event]:
+    """Fold the engine's events into `state` and yield each; engine errors become gr.Error. The status line says
+    what the run is doing (Gradio's own progress overlay is left off: one place for it)."""
     try:
         for event in stream_events(preset, document, instruction or "", config):
             apply_event(state, event)
-            kind = event["kind"]
-            if kind == "Loading":
-                progress(event["fraction"], desc=f"Loading {event['stage']}")
-            elif kind == "PrefillProgress":
-                progress(event["done"] / max(event["total"], 1), desc="Prefill", total=event["total"], unit="tokens")
-            elif kind == "PromptReady" and event["dropped_tokens"]:
-                gr.Warning(f"The document is longer than the context ({event['context_length']:,} tokens): "
-                           f"its middle {event['dropped_tokens']:,} tokens were dropped (beginning and end kept).")
-            yield kind
+            if isinstance(event, PromptReady) and event.dropped_tokens:
+                gr.Warning(f"The document is longer than the context ({event.context_length:,} tokens): "
+                           f"its middle {event.dropped_tokens:,} tokens were dropped (beginning and end kept).")
+            yield event
     except (TriForceError, ModelLoadError) as err:
         raise gr.Error(str(err), title="Cannot generate") from None
     except (RuntimeError, OSError, MemoryError) as err:  # engine failures must not take the app down
         raise gr.Error(f"Generation failed: {type(err).__name__}: {err}", title="Generation failed") from None
 
 
-def run_triforce(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[dict[str, Any]]:
-    """Stream one TriForce generation from the panel's values by name: frames of status, coloured answer (with the
-    rejected drafts unless hidden), heatmap, document view, timeline, stats, per-level costs and run state."""
-    config = _settings("triforce", values)
-    progress(0, desc="Loading model")
-    mode, show = values.get("heatmap_mode") or HEATMAP_MODES[0], _show_rejected(values)
+def method_heading(method: str) -> str:
+    """The heading of the Compare column of the method picked."""
+    return f"**{METHOD_NAMES.get(method, method)}**"
+
+
+def _method(values: Mapping[str, Any]) -> str:
+    """The decoding method picked (auto unless the visitor chose another)."""
+    return values.get("method") or GenerationConfig.method
+
+
+def raw_stats_file(state: RunState) -> str:
+    """The run's full data (state.raw_data) as a JSON file to download; only the newest RAW_FILES_KEPT are kept."""
+    RAW_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=RAW_DIR, prefix="raw-stats-", suffix=".json", delete=False) as f:
+        f.write(json.dumps(raw_data(state)))  # one C-encoded string: json.dump writes piece by piece
+    for old in sorted(RAW_DIR.glob("raw-stats-*.json"), key=lambda p: p.stat().st_mtime)[:-RAW_FILES_KEPT]:
+        old.unlink(missing_ok=True)
+    return f.name
+
+
+def run_triforce(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """Stream one generation (the method picked: auto or TriForce) from the panel's values by name: frames of
+    status, answer, heatmap, document view, timeline, stats, per-level costs and run state; the full data as a
+    download once it has finished."""
+    config = _settings(_method(values), values)
+    mode = values.get("heatmap_mode") or HEATMAP_MODES[0]
     if mode not in HEATMAP_MODES:
         raise gr.Error(f"heatmap_mode must be one of {', '.join(HEATMAP_MODES)}, got {mode!r:.40}.",
                        title="Invalid input")
     chosen, document, instruction = _prepare(values)
-    state = RunState(method="triforce")
+    state = RunState(method=config.method)
     text_gate, plot_gate = Throttle(TEXT_INTERVAL_S), Throttle(PLOT_INTERVAL_S)
-    yield {"status": "⏳ Starting…", "answer": [],
-           "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": [],
+    yield {"status": "⏳ Starting…", "answer": answer_html(None),
+           "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": document_html(state),
            "timeline": timeline_html(state), "stats": "", "stats_json": {}, "costs": cost_figure([], None),
-           "run_state": state}
-    for kind in _stream(chosen, document, instruction, config, state, progress):
+           "raw_stats": None, "run_state": state}
+    for event in _stream(chosen, document, instruction, config, state):
         now = time.monotonic()
-        force = kind in ("PromptReady", "Finished") or (kind == "RetrievalSelection"
-                                                         and len(state.selection_rounds) == 1)
+        force = isinstance(event, (PromptReady, Finished)) or (isinstance(event, RetrievalSelection)
+                                                               and len(state.selection_rounds) == 1)
         if text_gate.due(now, force):
-            yield _triforce_frame(state, mode, show, plot_gate.due(now, force))
+            yield triforce_frame(state, mode, plot_gate.due(now, force))
     if not state.finished:  # the stream ended without Finished: show the last state in full
-        yield _triforce_frame(state, mode, show, True)
+        yield triforce_frame(state, mode, True)
 
 
-def _triforce_frame(state: RunState, mode: str, show_rejected: bool, with_plots: bool) -> dict[str, Any]:
+def triforce_frame(state: RunState, mode: str = HEATMAP_MODES[0], with_plots: bool = True) -> dict[str, Any]:
     """The TriForce tab's outputs for the current state; heatmap, document view and timeline only `with_plots`,
-    the per-level costs once the run has finished."""
+    the per-level costs and the download once the run has finished."""
     stats_md, stats = stats_for(state)
-    frame = {"status": status_markdown(state), "answer": answer_pieces(state, show_rejected), "stats": stats_md,
+    frame = {"status": status_markdown(state), "answer": answer_html(state), "stats": stats_md,
              "stats_json": stats, "run_state": state}
     if with_plots:
-        frame |= {"heatmap": selection_heatmap(state, mode), "doc_view": document_view(state),
+        frame |= {"heatmap": selection_heatmap(state, mode), "doc_view": document_html(state),
                   "timeline": timeline_html(state)}
     if state.finished:
-        frame["costs"] = cost_figure(stats["levels"], stats["tokens_per_target_forward"])
+        frame |= {"costs": cost_figure(stats["levels"], stats["tokens_per_target_forward"]),
+                  "raw_stats": raw_stats_file(state)}
     return frame
 
 
@@ -222,65 +241,71 @@ def redraw_heatmap(state: RunState | None, mode: str) -> object:
     return selection_heatmap(state, mode)
 
 
-def redraw_answer(state: RunState | None, show_rejected: bool) -> list[tuple[str, str | None]]:
-    """The last run's answer with or without its rejected drafts."""
-    return answer_pieces(state, show_rejected) if isinstance(state, RunState) else []
-
-
 def stopped() -> str:
     """Status after the Stop button."""
     return "⏹️ Stopped. Change anything you like and run again."
 
 
 def comparison_summary(ar: RunState, tf: RunState, greedy: bool) -> tuple[str, dict]:
-    """Speedup and (with greedy decoding) the token-identity check, as Markdown and as a dict."""
+    """Speedup, what method auto's planner chose and why, and (with greedy decoding) the token-identity check, as
+    Markdown and as a dict."""
     ar_stats, tf_stats = live_stats(ar), live_stats(tf)
     speedup = (tf_stats["tokens_per_s"] / ar_stats["tokens_per_s"]
                if ar_stats.get("tokens_per_s") and tf_stats.get("tokens_per_s") else None)
-    identical, first_difference = None, None
-    lines = [f"### Speedup (decode tokens/s): {speedup:.2f}×" if speedup else "### Speedup: –"]
+    identical, differs_at = None, None
+    lines = [f"### Speedup (decode tokens/s): {speedup:.2f}×" if speedup else "### Speedup: —"]
+    if plan := plan_line(tf):
+        lines.append(plan)
     if greedy and ar.finished and tf.finished:
-        identical = ar.token_ids == tf.token_ids
-        first_difference = compare.first_difference(ar.token_ids, tf.token_ids)
-        note = compare.difference_note(ar.token_ids, tf.token_ids, (ar.final_stats or {}).get("near_ties") or [])
+        differs_at = first_difference(ar.token_ids, tf.token_ids)
+        identical = differs_at is None
+        note = difference_note(ar.token_ids, tf.token_ids, ar.final_stats.near_ties)
         lines.append(f"✅ **Token-identical**: both produced the same {len(tf.token_ids)} tokens (greedy)." if identical
                      else f"❌ **Not token-identical**: {note}.")
     elif not greedy:
         lines.append("Sampling is on: outputs may differ token by token (both follow the target's distribution). "
-                     "Tick *greedy* for a token-identity check.")
+                     "Tick *Greedy* for a token-identity check.")
     if tf_stats.get("prefill_reused"):
-        lines.append("Prefill and time to first token are apart from decode speed: TriForce reused the cache the "
-                     "autoregressive run prefilled for the same prompt.")
+        lines.append("Prefill and time to first token are apart from decode speed: the second run reused the cache "
+                     "the autoregressive run prefilled for the same prompt.")
     device = " · ".join(v for v in (tf_stats.get("device") or ar_stats.get("device"),
                                     tf_stats.get("dtype") or ar_stats.get("dtype")) if v)
     if device:
         lines.append(f"Ran on **{device}**.")
-    summary = {"ar": ar_stats, "triforce": tf_stats, "speedup": speedup, "greedy": greedy, "identical": identical,
-               "first_difference": first_difference, "device": device}
+    summary = {"ar": ar_stats, "triforce": tf_stats, "method": tf.method, "speedup": speedup, "greedy": greedy,
+               "identical": identical, "first_difference": differs_at, "device": device}
     return "\n\n".join(lines), summary
 
 
-def run_compare(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[dict[str, Any]]:
-    """Autoregressive then TriForce on the same input and seed, streamed side by side, by output name."""
-    configs = {"ar": _settings("ar", values), "triforce": _settings("triforce", values)}
-    progress(0, desc="Loading model")
-    show = _show_rejected(values)
+COMPARE_OUTPUTS = ("compare_status", "ar_answer", "tf_head", "tf_answer", "ar_stats", "tf_stats", "bars", "verdict",
+                   "compare_json", "tf_timeline", "compare_costs", "compare_state")
+
+
+def run_compare(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """Autoregressive decoding then the method picked (auto or TriForce) on the same input and seed, streamed side
+    by side, by output name (COMPARE_OUTPUTS)."""
+    method = _method(values)
+    if method == "ar":
+        raise gr.Error("Compare runs autoregressive decoding beside method auto or triforce; pick one of those.",
+                       title="Invalid settings")
+    configs = {"ar": _settings("ar", values), method: _settings(method, values)}
     chosen, document, instruction = _prepare(values)
-    runs = {"ar": RunState(method="ar"), "triforce": RunState(method="triforce")}
+    runs = {"ar": RunState(method="ar"), method: RunState(method=method)}
     gate = Throttle(TEXT_INTERVAL_S)
     is_greedy = configs["ar"].is_greedy
 
     def frame(note: str, with_plot: bool = True, with_costs: bool = False) -> dict[str, Any]:
         """All Compare outputs for the current progress; charts, timeline and verdict only when `with_plot`, the
         per-level costs (known once both runs finished) only `with_costs`."""
-        ar_stats, tf_stats = live_stats(runs["ar"]), live_stats(runs["triforce"])
-        out = {"compare_status": note, "ar_answer": answer_pieces(runs["ar"]),
-               "tf_answer": answer_pieces(runs["triforce"], show), "ar_stats": stats_markdown(ar_stats),
-               "tf_stats": stats_markdown(tf_stats), "compare_state": runs["triforce"]}
+        ar, tf = runs["ar"], runs[method]
+        ar_stats, tf_stats = live_stats(ar), live_stats(tf)
+        out = {"compare_status": note, "ar_answer": answer_html(ar), "tf_head": method_heading(method),
+               "tf_answer": answer_html(tf), "ar_stats": stats_markdown(ar_stats), "tf_stats": stats_markdown(tf_stats),
+               "compare_state": tf}
         if with_plot:
-            verdict, summary = comparison_summary(runs["ar"], runs["triforce"], is_greedy)
-            out |= {"bars": compare_bars(ar_stats, tf_stats), "tf_timeline": timeline_html(runs["triforce"]),
-                    "verdict": verdict, "compare_json": summary}
+            verdict, summary = comparison_summary(ar, tf, is_greedy)
+            out |= {"bars": compare_bars(ar_stats, tf_stats), "tf_timeline": timeline_html(tf), "verdict": verdict,
+                    "compare_json": summary}
         if with_costs:
             out["compare_costs"] = cost_figure(tf_stats["levels"], tf_stats["tokens_per_target_forward"],
                                                ar_stats["levels"])
@@ -288,11 +313,12 @@ def run_compare(values: Mapping[str, Any], progress: gr.Progress) -> Iterator[di
 
     yield frame("⏳ Starting…", with_costs=True)
     plot_gate = Throttle(PLOT_INTERVAL_S)
-    for method, label in (("ar", "Autoregressive"), ("triforce", "TriForce")):
-        for kind in _stream(chosen, document, instruction, configs[method], runs[method], progress):
+    for name in runs:
+        for event in _stream(chosen, document, instruction, configs[name], runs[name]):
             now = time.monotonic()
-            if gate.due(now, kind == "Finished"):
-                yield frame(f"{label}: {status_markdown(runs[method])}", plot_gate.due(now, kind == "Finished"))
+            if gate.due(now, isinstance(event, Finished)):
+                yield frame(f"{METHOD_NAMES[name]}: {status_markdown(runs[name])}",
+                            plot_gate.due(now, isinstance(event, Finished)))
     yield frame("✅ Both runs finished.", with_costs=True)
 
 

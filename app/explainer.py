@@ -6,7 +6,7 @@ import platform
 
 import gradio as gr
 
-from app.views import PROVENANCE_LABELS, REJECTED_LABELS
+from app.views import PROVENANCE, REJECTED
 
 EXPLANATION = f"""
 ## TriForce in three levels
@@ -41,28 +41,38 @@ GPU memory. This is the regime of the paper's largest speedups (4.9–7.8× on R
 each cache lives, and the stats give the bytes moved over the link per token.
 
 ## What the visuals show
-- **Answer:** each token coloured by where it came from: *{PROVENANCE_LABELS['draft']}* (proposed by level 1 and
-  kept by both checks), *{PROVENANCE_LABELS['copy']}* (the same for a token level 1 copied from earlier in the text),
-  *{PROVENANCE_LABELS['level2']}* (sampled by level 2, kept by level 3) and *{PROVENANCE_LABELS['level3']}*. The
-  more green, the fewer expensive full-cache passes per token. Struck-through tokens are drafts a level rejected, shown
-  where they were tried: grey *{REJECTED_LABELS[2]}* (a level-1 proposal level 2 turned down, with the proposals
-  after it) and pink *{REJECTED_LABELS[3]}* (level-2 tokens the full cache turned down); the checkbox hides them.
-- **Speculation timeline:** one block per level-3 round. Its top row is level 3's verdict on the level-2 tokens
+- **Answer:** plain text. *Colour by provenance* shows where each token came from: *{PROVENANCE['draft'][0]}*
+  (proposed by level 1 and kept by both checks), *{PROVENANCE['copy'][0]}* (the same for a token level 1 copied from
+  earlier in the text), *{PROVENANCE['level2'][0]}* (sampled by level 2, kept by level 3) and
+  *{PROVENANCE['level3'][0]}*. The more green, the fewer expensive full-cache passes per token. *Show rejected
+  drafts* adds, struck through where they were tried, the drafts a level turned down: *{REJECTED[(1, 2)][0]}* (with
+  the proposals after it), *{REJECTED[(2, 3)][0]}* (level-2 tokens the full cache turned down) and, when the planner
+  leaves level 2 out, *{REJECTED[(1, 3)][0]}*.
+- **Method auto:** TriForce pays only where reading the full KV cache is what a step costs. With method *auto* a
+  planner measures each level's step and the acceptance so far, and picks each round's hierarchy — autoregressive,
+  level 1 → 3, level 2 → 3 or 1 → 2 → 3 — and its γs; the status line and *Compare* say what it chose and why, the
+  timeline marks each change. Every hierarchy verifies exactly, so the plan changes the speed, never the output.
+  *triforce* always runs levels 1 → 2 → 3.
+- **Speculation timeline:** one block per level-3 round. Its top row is level 3's verdict on the drafted tokens
   (kept, the rejected one, the discarded rest, then level 3's own token); the bottom row is each level-2 step's
-  verdict on the level-1 tokens, then level 2's own token. Hover a block for the counts.
-- **Retrieval heatmap:** x is the position in the document (chunks, grouped into at most 1,024 columns, each column
-  showing its most-kept chunk), y is the decoding step (the selection in force at each level-3 round) or, in the
-  layer view, the layer of the latest selection. Colour counts how many (layer, KV head) pairs keep the chunk;
-  hover for the token range and a snippet of the text.
-- **Selected spans:** the most-kept chunks of the latest selection, in document order, with the skipped stretches
+  verdict on the level-1 tokens, then level 2's own token. Hover a block for the counts; stretches of
+  autoregressive steps are counted (*AR*) and ▸ marks a plan the planner chose (hover it for why).
+- **Retrieval heatmap:** x is the position in the document (chunks, grouped into at most 384 columns, each column
+  showing its most-kept chunk); colour counts how many (layer, KV head) pairs keep the chunk; hover for the token
+  range and a snippet of the text. *auto* shows what carries information: the per-layer view of the selection while
+  there is one (with re-selection *once*, every decoding step keeps the same chunks), the per-decoding-step view
+  once re-selection makes the rows differ; the title says which. The *Raw stats* download has every selection at
+  full resolution.
+- **Kept spans:** the most-kept chunks of the latest selection, in document order, with the skipped stretches
   summarised.
 - **Cost per level** (after a run): milliseconds and bytes read per step at each level (the weights a forward reads
   plus that level's KV cache: the draft's StreamingLLM cache, the retrieval cache, the full cache), each level's
   share of the decode time (chunk selection apart), and the tokens each full-cache forward yields. TriForce pays off
   when the cheap levels' steps cost little next to a full-cache step and most of their tokens are kept.
-- **Stats:** decode tokens/s and ms/token, time to first token (includes prefill), prefill time, acceptance at
-  level 2 (of level-1 drafts) and level 3 (of level-2 tokens), mean tokens per full-cache forward, budget as a share
-  of the prompt, the memory of the full and the retrieval KV cache, and the device and dtype.
+- **Stats:** decode tokens/s and ms/token, time to first token (includes prefill), prefill time, acceptance of
+  level-1 drafts and of level-2 tokens (by level 3), mean tokens per full-cache forward, budget as a share of the
+  prompt, the memory of the full and the retrieval KV cache, and the device and dtype; — where a figure does not
+  apply (autoregressive decoding drafts nothing).
 """
 
 

@@ -17,9 +17,9 @@ from plotly.subplots import make_subplots
 
 from app.state import RunState, bin_max, compact_dtype
 
-MAX_ROWS = 256
-HEATMAP_MODES = ("chunk × decoding step", "chunk × layer (current selection)")
-SNIPPET_CHARS = 60
+MAX_ROWS = 96  # decoding steps shown: about what the heatmap's height shows; the download has every selection
+HEATMAP_MODES = ("auto", "per decoding step", "per layer")
+SNIPPET_CHARS = 40
 
 
 @functools.cache
@@ -102,16 +102,30 @@ def _heatmap(z: np.ndarray, labels: list[str], y: list, y_title: str, zmax: int,
                   "autorange": "reversed" if y_title == "layer" else True}})
 
 
+def heatmap_view(state: RunState, mode: str = HEATMAP_MODES[0]) -> str:
+    """The view a mode shows: auto picks the per-layer view while every selection so far is the same one (rows
+    per decoding step would all be equal), the per-step view once re-selection makes them differ."""
+    if mode != "auto":
+        return mode
+    distinct = len(state.kept_selections) + state.selections_not_kept
+    return HEATMAP_MODES[1] if distinct > 1 else HEATMAP_MODES[2]
+
+
 def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figure:
-    """Which prompt chunks the retrieval cache keeps, per decoding step or per layer of the latest selection."""
+    """Which prompt chunks the retrieval cache keeps, per decoding step or per layer of the latest selection; the
+    title says which view it is and why."""
     if state.layer_counts is None or state.edges is None:
         message = ("Autoregressive decoding reads the full cache: no retrieval to show." if state.method == "ar"
                    else "The retrieval heatmap appears after prefill.")
         return empty_figure(message)
     labels = column_labels(state)
-    if mode == HEATMAP_MODES[1]:
+    cache = f"{state.num_chunks:,} chunks of {state.chunk_size} tokens, budget {state.budget:,}"
+    selections = len(state.selection_rounds)
+    if heatmap_view(state, mode) == HEATMAP_MODES[2]:
         z = bin_max(state.layer_counts, state.edges)
-        title = f"Selection of round {state.selection_rounds[-1]}: KV heads keeping each chunk, per layer"
+        why = ("the answer's one selection (each decoding step keeps the same chunks)" if selections == 1
+               else f"selection of round {state.selection_rounds[-1]}")
+        title = f"Per layer, {why}: KV heads keeping each chunk · {cache}"
         return _heatmap(z, labels, list(range(z.shape[0])), "layer", state.heads_per_layer, title, "KV heads")
     if state.step_selection:
         rows = pick_rows(len(state.step_selection))
@@ -120,8 +134,7 @@ def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figur
     else:
         z, y = state.selection_columns[-1][None, :], [state.selection_rounds[-1]]
     z = z.astype(compact_dtype(state.max_count), copy=False)
-    title = (f"Retrieval cache: {state.num_chunks} chunks of {state.chunk_size} tokens, budget {state.budget} tokens, "
-             f"{len(state.selection_rounds)} selection(s)")
+    title = f"Per decoding step, {selections} selection(s): layer×heads keeping each chunk · {cache}"
     return _heatmap(z, labels, y, "decoding step", state.max_count, title, "layer×heads")
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 try:  # ZeroGPU: the `spaces` package must be imported before torch; off a Space its decorator does nothing.
     import spaces
@@ -19,9 +22,11 @@ except ImportError:
         return fn
 
 from core import Engine, GenerationConfig, TriForceError
+from core.events import Event
 from core.inputs import gpu_memory_gib, note_gpu_only
 
 from app.presets import Preset
+from app.state import typed
 
 ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")  # a ZeroGPU Space (spaces' own test)
 _RUN_LOCK = threading.Lock()  # one generation at a time, even while a cancelled run's last step finishes
@@ -30,6 +35,11 @@ HANDOVER_S = 0.02  # events go to the app in batches at most this far apart (a h
 WAITING_S = 0.25  # with no event for this long, the stream says it is waiting (a Stop lands between yields)
 URGENT_KINDS = ("Loading", "PrefillProgress", "PromptReady", "Finished")  # handed over at once
 _loaded: dict[tuple[str | None, str | None], dict] = {}
+
+
+@dataclass
+class Waiting(Event):
+    """No event came for WAITING_S (a long prefill forward): the consumer yields, so that a Stop lands."""
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -104,26 +114,38 @@ def loaded_infos() -> list[dict]:
     return list(_loaded.values())
 
 
+@functools.cache
+def _special_tokens(tokenizer) -> re.Pattern:
+    """A pattern matching the tokenizer's special-token strings (never shown as text)."""
+    return re.compile("|".join(map(re.escape, sorted(tokenizer.all_special_tokens, key=len, reverse=True))))
+
+
 @gpu
 def _event_dicts(target: str | None, draft: str | None, document: str, instruction: str,
                  config: dict, stop: threading.Event | None = None) -> Iterator[dict]:
     """Generation events as plain dicts (safe to pickle out of a ZeroGPU worker); a Verdict also carries the text of
-    each proposed token (`proposed_texts`), for showing rejected drafts. `stop` (not across processes: None on
-    ZeroGPU) stops a prefill between two layers."""
+    each proposed token (`proposed_texts`), for showing rejected drafts; special tokens are left out of every text
+    (the prompt's chunks included). `stop` (not across processes: None on ZeroGPU) stops a prefill between two
+    layers."""
     engine = load_engine(target, draft)
+    tokenizer = engine.tokenizer
     for event in engine.generate(document, instruction, GenerationConfig(**config), stop):
         data = event.to_dict()
         if data["kind"] == "Verdict":
-            data["proposed_texts"] = [engine.tokenizer.decode([token]) for token in data["proposed"]]
+            data["proposed_texts"] = [tokenizer.decode([token], skip_special_tokens=True)
+                                      for token in data["proposed"]]
+        elif data["kind"] == "PromptReady":
+            specials = _special_tokens(tokenizer)
+            data["chunk_texts"] = [specials.sub("", text) for text in data["chunk_texts"]]
         yield data
 
 
-def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig) -> Iterator[dict]:
-    """Event dicts of one generation. The engine runs in a thread of its own and hands events over through a queue,
-    so rendering them never holds decoding up (a generator's consumer would otherwise be timed as decoding), in
-    batches HANDOVER_S apart; one generation at a time. While no event comes (a long prefill forward), a
-    {"kind": "Waiting"} comes every WAITING_S, so that the consumer yields and a Stop lands; a closed stream (Stop)
-    ends its generation at the next event, or between two layers of a prefill forward."""
+def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig) -> Iterator[Event]:
+    """The typed events of one generation. The engine runs in a thread of its own and hands events over through a
+    queue, so rendering them never holds decoding up (a generator's consumer would otherwise be timed as decoding),
+    in batches HANDOVER_S apart; one generation at a time. While no event comes (a long prefill forward), a Waiting
+    comes every WAITING_S, so that the consumer yields and a Stop lands; a closed stream (Stop) ends its generation
+    at the next event, or between two layers of a prefill forward."""
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
 
@@ -155,13 +177,13 @@ def stream_events(preset: Preset, document: str, instruction: str, config: Gener
             try:
                 batch = events.get(timeout=WAITING_S)
             except queue.Empty:
-                yield {"kind": "Waiting"}
+                yield Waiting()
                 continue
             if batch is _DONE:
                 break
             for item in batch:
                 if isinstance(item, Exception):
                     raise item
-                yield item
+                yield typed(item)
     finally:
         stop.set()

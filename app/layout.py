@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -14,31 +15,32 @@ from app.documents import MAX_UPLOAD_BYTES, SUPPORTED_SUFFIXES, load_samples
 from app.explainer import EXPLANATION
 from app.figures import HEATMAP_MODES, cost_figure, empty_figure
 from app.presets import PRESET_SETTINGS, all_presets, default_preset, panel_overrides
-from app.settings import build_panel
-from app.views import AR_COLORS, SPAN_COLORS, TRIFORCE_COLORS
+from app.settings import build_panel, method_widget, widget_args
+from app.views import answer_html, document_html, overlay_css
 
 UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
 UPLOAD_READERS = 4  # uploads read at once (a PDF each in a child process, app.pdf's limits on each)
-SHOW_REJECTED = "Show rejected drafts (struck through; a running generation keeps the choice it started with)"
+QUICK_SETTINGS = ("greedy", "max_new_tokens")  # beside the model and the method, above the tabs: what a visitor changes
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
-#answer, #compare-ar, #compare-tf {min-height: 8rem}
 #doc-view {max-height: 22rem; overflow-y: auto}
 .tl {font-size: 0.8rem; max-height: 16rem; overflow-y: auto}
 .tl-head {margin-bottom: 4px; color: var(--body-text-color-subdued)}
-.tl-rounds {display: flex; flex-wrap: wrap; gap: 5px 7px}
+.tl-rounds {display: flex; flex-wrap: wrap; gap: 5px 7px; align-items: center}
 .tl-round {display: inline-flex; flex-direction: column; gap: 2px}
 .tl-round > span {display: flex; gap: 1px; height: 9px}
 .tl i {display: inline-block; width: 6px; height: 9px; border-radius: 1px; vertical-align: middle}
 .tl s {display: inline-block; width: 3px}
 .tl .ok {background: #22c55e} .tl .no {background: #374151} .tl .skip {background: #d1d5db}
 .tl .l2 {background: #f59e0b} .tl .l3 {background: #ef4444}
-"""
+.tl .tl-plan {font-weight: 600; color: #4f46e5} .tl .tl-ar {color: var(--body-text-color-subdued)}
+""" + overlay_css()
 HEADER = """# TriForce Studio
 Hierarchical speculative decoding for long documents
 ([TriForce, arXiv 2404.11912](https://arxiv.org/abs/2404.11912)): a tiny drafter → the target model on a small
-retrieval cache → the target on its full cache. Pick a document, ask something, and watch which parts of the
-document the retrieval cache keeps while the answer streams."""
+retrieval cache → the target on its full cache, every draft checked exactly. Pick a document, ask something, and
+watch which parts of the document the retrieval cache keeps while the answer streams; *Compare* runs plain
+autoregressive decoding beside it."""
 
 
 class UploadPayload(FileData):
@@ -59,15 +61,15 @@ def launch_options() -> dict:
     return {"theme": gr.themes.Soft(), "css": CSS, "max_file_size": MAX_UPLOAD_BYTES}
 
 
-def by_name(fn: Callable[[Mapping[str, Any], gr.Progress], Iterator[dict[str, Any]]],
+def by_name(fn: Callable[[Mapping[str, Any]], Iterator[dict[str, Any]]],
             outputs: dict[str, gr.Component]) -> Callable[..., Iterator[list[Any]]]:
     """A Gradio handler for `fn`: the event's `inputs_kwargs` arrive as one dict by name, and each frame `fn` yields
     by output name goes out as the list of all outputs, those it leaves out with the value last sent (Gradio
     rebuilds a component for every output it is told to skip, which costs more than a frame; a plot is postprocessed
     by its component once, so sending it again is free)."""
-    def handler(progress: gr.Progress = gr.Progress(), **values: Any) -> Iterator[list[Any]]:
+    def handler(**values: Any) -> Iterator[list[Any]]:
         sent: dict[str, Any] = {}
-        for frame in fn(values, progress):
+        for frame in fn(values):
             sent |= {name: outputs[name].postprocess(value) if isinstance(outputs[name], gr.Plot) else value
                      for name, value in frame.items()}
             yield [sent.get(name, gr.skip()) for name in outputs]
@@ -83,8 +85,16 @@ def build_demo() -> gr.Blocks:
     first_instructions = list(first.instructions) if first and first.instructions else \
         list(callbacks.GENERIC_INSTRUCTIONS)
     preset = default_preset()
+    values, notes = panel_overrides(preset)
     with gr.Blocks(title="TriForce Studio", delete_cache=UPLOAD_CACHE) as demo:
         gr.Markdown(HEADER)
+        with gr.Row(elem_id="quick-settings", equal_height=True):
+            preset_name = gr.Dropdown([p.name for p in all_presets()], value=preset.name, label="Model preset",
+                                      elem_id="preset", scale=3)
+            method = method_widget()
+            quick = {name: kind(**kwargs) for name in QUICK_SETTINGS
+                     for kind, kwargs in [widget_args(name, values.get(name, dataclasses.MISSING),
+                                                      notes.get(name, ""))]}
         with gr.Tabs():
             with gr.Tab("TriForce", id="triforce"):
                 with gr.Row():
@@ -102,53 +112,57 @@ def build_demo() -> gr.Blocks:
                                                  elem_id="instruction")
                         examples = gr.Dataset(components=[instruction], samples=[[i] for i in first_instructions],
                                               label="Example instructions", type="values")
-                        with gr.Accordion("Settings", open=False, elem_id="settings"):
-                            preset_name = gr.Dropdown([p.name for p in all_presets()], value=preset.name,
-                                                      label="Model preset (target + draft)")
-                            panel = build_panel(*panel_overrides(preset))
+                        with gr.Accordion("More settings", open=False, elem_id="settings"):
+                            panel = build_panel(values, notes, skip=QUICK_SETTINGS)
                         with gr.Row():
-                            run = gr.Button("Run TriForce", variant="primary", elem_id="run")
+                            run = gr.Button("Run", variant="primary", elem_id="run")
                             stop = gr.Button("Stop", variant="stop", elem_id="stop")
                     with gr.Column(scale=3, min_width=420):
                         status = gr.Markdown("Ready.", elem_id="status")
-                        answer = gr.HighlightedText(label="Answer (coloured by provenance)", color_map=TRIFORCE_COLORS,
-                                                    show_legend=True, elem_id="answer")
-                        show_rejected = gr.Checkbox(True, label=SHOW_REJECTED, elem_id="show-rejected",
-                                                    container=False)
+                        answer = gr.HTML(answer_html(None), label="Answer", elem_id="answer")
+                        with gr.Row():
+                            gr.Checkbox(False, label="Colour by provenance", elem_id="colour-answer", container=False)
+                            gr.Checkbox(False, label="Show rejected drafts", elem_id="show-rejected",
+                                        container=False)
                         timeline = gr.HTML(elem_id="timeline")
                         heatmap_mode = gr.Radio(list(HEATMAP_MODES), value=HEATMAP_MODES[0], label="Heatmap",
                                                 container=False)
-                        heatmap = gr.Plot(empty_figure("Run TriForce to see which chunks the retrieval cache keeps."),
+                        heatmap = gr.Plot(empty_figure("Run to see which chunks the retrieval cache keeps."),
                                           label="Retrieval cache heatmap", elem_id="heatmap")
                         with gr.Row():
-                            doc_view = gr.HighlightedText(label="Selected spans of the document (latest selection)",
-                                                          color_map=SPAN_COLORS, show_legend=True, elem_id="doc-view")
+                            doc_view = gr.HTML(document_html(callbacks.RunState()), label="Kept spans",
+                                               elem_id="doc-view")
                             stats = gr.Markdown(elem_id="stats")
                         costs = gr.Plot(cost_figure([], None), label="Cost per level", elem_id="costs")
-                        with gr.Accordion("Raw stats (JSON)", open=False):
+                        with gr.Accordion("Raw stats", open=False):
                             stats_json = gr.JSON(label="stats")
+                            raw_stats = gr.DownloadButton("Download the full data (JSON, after a run)",
+                                                          elem_id="raw-stats", size="sm")
                 run_state = gr.State()
             with gr.Tab("Compare", id="compare"):
-                gr.Markdown("Runs plain **autoregressive** decoding and then **TriForce** on the document, instruction "
-                            "and settings of the TriForce tab, with the same seed, on the same device. Tick *greedy* "
-                            "in Settings to check that both produce the same tokens.")
+                gr.Markdown("Runs plain **autoregressive** decoding and then the method picked above on the "
+                            "document and instruction of the first tab, with the same seed, on the same device. "
+                            "With *Greedy* both must produce the same tokens.")
                 with gr.Row():
                     compare_run = gr.Button("Run comparison", variant="primary", elem_id="compare-run")
                     compare_stop = gr.Button("Stop", variant="stop", elem_id="compare-stop")
-                compare_status = gr.Markdown()
+                compare_status = gr.Markdown(elem_id="compare-status")
+                verdict = gr.Markdown(elem_id="verdict")
                 with gr.Row():
                     with gr.Column():
-                        ar_answer = gr.HighlightedText(label="Autoregressive", color_map=AR_COLORS, show_legend=True,
-                                                       elem_id="compare-ar")
-                        ar_stats = gr.Markdown()
+                        gr.Markdown("**Autoregressive**")
+                        ar_answer = gr.HTML(answer_html(None), elem_id="compare-ar")
+                        ar_stats = gr.Markdown(elem_id="compare-ar-stats")
                     with gr.Column():
-                        tf_answer = gr.HighlightedText(label="TriForce", color_map=TRIFORCE_COLORS,
-                                                       show_legend=True, elem_id="compare-tf")
-                        compare_show_rejected = gr.Checkbox(True, label=SHOW_REJECTED, container=False,
-                                                            elem_id="compare-show-rejected")
+                        tf_head = gr.Markdown(callbacks.method_heading(method.value))
+                        tf_answer = gr.HTML(answer_html(None), elem_id="compare-tf")
+                        with gr.Row():
+                            gr.Checkbox(False, label="Colour by provenance", elem_id="colour-compare",
+                                        container=False)
+                            gr.Checkbox(False, label="Show rejected drafts", elem_id="compare-show-rejected",
+                                        container=False)
                         tf_timeline = gr.HTML(elem_id="compare-timeline")
-                        tf_stats = gr.Markdown()
-                verdict = gr.Markdown(elem_id="verdict")
+                        tf_stats = gr.Markdown(elem_id="compare-tf-stats")
                 bars = gr.Plot(label="Speed", elem_id="compare-bars")
                 compare_costs = gr.Plot(cost_figure([], None), label="Cost per level", elem_id="compare-costs")
                 compare_state = gr.State()
@@ -159,45 +173,45 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("## Models, device and versions")
                 engines = gr.Markdown(elem_id="engines")
 
-        inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, **panel}
+        inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, "method": method,
+                  **quick, **panel}
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document",
                       concurrency_limit=UPLOAD_READERS)
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")
         describe = dict(fn=callbacks.describe_document,
-                        inputs=[document, preset_name, panel["budget"], instruction, panel["max_new_tokens"]],
+                        inputs=[document, preset_name, panel["budget"], instruction, quick["max_new_tokens"]],
                         outputs=doc_info, show_progress="hidden", trigger_mode="always_last", concurrency_limit=None,
                         preprocess=False)  # values of any type reach it, and it names a bad one
         document.change(api_name="describe_document", **describe)
-        panel["budget"].change(api_visibility="private", **describe)
+        for changed in (panel["budget"], instruction, quick["max_new_tokens"], preset_name):
+            changed.change(api_visibility="private", **describe)
         preset_name.input(callbacks.preset_settings, preset_name, [panel[name] for name in PRESET_SETTINGS],
                           api_visibility="private")
         demo.load(api_visibility="private", **describe)
 
         outputs = {"status": status, "answer": answer, "heatmap": heatmap, "doc_view": doc_view, "stats": stats,
-                   "stats_json": stats_json, "timeline": timeline, "costs": costs, "run_state": run_state}
+                   "stats_json": stats_json, "timeline": timeline, "costs": costs, "raw_stats": raw_stats,
+                   "run_state": run_state}
         run_event = run.click(by_name(callbacks.run_triforce, outputs),
-                              inputs_kwargs={**inputs, "heatmap_mode": heatmap_mode, "show_rejected": show_rejected},
+                              inputs_kwargs={**inputs, "heatmap_mode": heatmap_mode},
                               outputs=list(outputs.values()), api_name="triforce", preprocess=False,
-                              concurrency_id=GPU_QUEUE, concurrency_limit=1)
+                              show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=1)
         stop.click(callbacks.stopped, None, status, cancels=[run_event], api_name="stop", concurrency_limit=None)
         heatmap_mode.change(callbacks.redraw_heatmap, [run_state, heatmap_mode], heatmap, api_visibility="private",
                             concurrency_limit=None)
-        show_rejected.change(callbacks.redraw_answer, [run_state, show_rejected], answer, api_visibility="private",
-                             concurrency_limit=None)
 
-        outputs = {"compare_status": compare_status, "ar_answer": ar_answer, "tf_answer": tf_answer,
-                   "ar_stats": ar_stats, "tf_stats": tf_stats, "bars": bars, "verdict": verdict,
-                   "compare_json": compare_json, "tf_timeline": tf_timeline, "compare_costs": compare_costs,
-                   "compare_state": compare_state}
-        compare_event = compare_run.click(by_name(callbacks.run_compare, outputs),
-                                          inputs_kwargs={**inputs, "show_rejected": compare_show_rejected},
+        components = {"compare_status": compare_status, "ar_answer": ar_answer, "tf_head": tf_head,
+                      "tf_answer": tf_answer, "ar_stats": ar_stats, "tf_stats": tf_stats, "bars": bars,
+                      "verdict": verdict, "compare_json": compare_json, "tf_timeline": tf_timeline,
+                      "compare_costs": compare_costs, "compare_state": compare_state}
+        outputs = {name: components[name] for name in callbacks.COMPARE_OUTPUTS}
+        compare_event = compare_run.click(by_name(callbacks.run_compare, outputs), inputs_kwargs=inputs,
                                           outputs=list(outputs.values()), api_name="compare", preprocess=False,
-                                          concurrency_id=GPU_QUEUE, concurrency_limit=1)
-        compare_show_rejected.change(callbacks.redraw_answer, [compare_state, compare_show_rejected], tf_answer,
-                                     api_visibility="private", concurrency_limit=None)
+                                          show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=1)
         compare_stop.click(callbacks.stopped, None, compare_status, cancels=[compare_event], api_name="stop_compare",
                            concurrency_limit=None)
+        method.change(callbacks.method_heading, method, tf_head, api_visibility="private", concurrency_limit=None)
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")
         demo.load(callbacks.describe_engines, None, engines, api_visibility="private")
     demo.queue(default_concurrency_limit=1)

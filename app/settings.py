@@ -19,6 +19,7 @@ SLIDER_SPAN = 64  # an integer setting whose range is at most this wide gets a s
 RADIO_CHOICES = 4  # named choices up to this many are radio buttons, more a dropdown
 WHOLE_NUMBER_CHOICES = (2, 4, 8, 16)  # offered beside the names of a setting that also takes a whole number
 AUTO = "auto"
+METHODS = ("auto", "triforce")  # offered in the app: Compare runs autoregressive decoding beside the one picked
 
 
 def app_settings() -> dict[str, tuple[dataclasses.Field, Setting, tuple[type, ...]]]:
@@ -60,13 +61,13 @@ def widget_args(name: str, value: Any = dataclasses.MISSING, note: str = "") -> 
     return gr.Textbox, {"value": str(value), **common}
 
 
-def build_panel(values: Mapping[str, Any] | None = None, notes: Mapping[str, str] | None = None
-                ) -> dict[str, gr.Component]:
-    """Every app setting's widget, in declaration order, two to a row (radio groups on their own); `values` and
-    `notes` override defaults and add to the help, by setting name."""
+def build_panel(values: Mapping[str, Any] | None = None, notes: Mapping[str, str] | None = None,
+                skip: tuple[str, ...] = ()) -> dict[str, gr.Component]:
+    """Every app setting's widget but those in `skip`, in declaration order, two to a row (radio groups on their
+    own); `values` and `notes` override defaults and add to the help, by setting name."""
     values, notes = values or {}, notes or {}
     specs = [(name, *widget_args(name, values.get(name, dataclasses.MISSING), notes.get(name, "")))
-             for name in app_settings()]
+             for name in app_settings() if name not in skip]
     panel: dict[str, gr.Component] = {}
     for alone, group in itertools.groupby(specs, key=lambda spec: spec[1] is gr.Radio):
         group = list(group)
@@ -75,6 +76,15 @@ def build_panel(values: Mapping[str, Any] | None = None, notes: Mapping[str, str
                 for name, kind, kwargs in group[start:start + (1 if alone else 2)]:
                     panel[name] = kind(**kwargs)
     return panel
+
+
+def method_widget() -> gr.Radio:
+    """The decoding method beside autoregressive decoding: the choices the app offers (Compare runs autoregressive
+    decoding itself), the declaration's label and default."""
+    spec = settings()["method"][1]
+    return gr.Radio(list(METHODS), value=default("method"), label=spec.label, elem_id="set-method",
+                    info="auto: the planner picks the levels and γs round by round from measured costs · triforce: "
+                    "always levels 1 → 2 → 3")
 
 
 def _number(label: str, raw: Any, whole: bool) -> int | float:

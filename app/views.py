@@ -1,4 +1,5 @@
-"""Pure renderers from RunState to component values: coloured answer, compact document view, stats, status."""
+"""Pure renderers from RunState to component values: the answer as text with its provenance and rejected drafts as
+overlays, the compact document view, the timeline, stats, status."""
 
 from __future__ import annotations
 
@@ -6,53 +7,86 @@ import html
 
 import numpy as np
 
-from app.state import RunState, live_stats
+from app.state import Rejection, RunState, live_stats
 
-PROVENANCE_LABELS = {
-    "draft": "level-1 draft, accepted",
-    "copy": "level-1 copy from the text, accepted",
-    "level2": "level-2 correction/bonus",
-    "level3": "level-3 correction/bonus",
-    "target": "autoregressive (target)",
+# Where an answer token came from (core.events.Provenance): its label and the colour of its overlay.
+PROVENANCE = {
+    "draft": ("level-1 draft, accepted", "#22c55e"),
+    "copy": ("level-1 copy from the text, accepted", "#14b8a6"),
+    "level2": ("level-2 correction/bonus", "#f59e0b"),
+    "level3": ("level-3 correction/bonus", "#ef4444"),
+    "target": ("autoregressive (target)", "#94a3b8"),
 }
-PROVENANCE_COLORS = {
-    PROVENANCE_LABELS["draft"]: "#22c55e",
-    PROVENANCE_LABELS["copy"]: "#14b8a6",
-    PROVENANCE_LABELS["level2"]: "#f59e0b",
-    PROVENANCE_LABELS["level3"]: "#ef4444",
-    PROVENANCE_LABELS["target"]: "#94a3b8",
+REJECTED: dict[Rejection, tuple[str, str]] = {
+    (1, 2): ("level-1 draft, rejected by level 2", "#6b7280"),
+    (2, 3): ("level-2 draft, rejected by level 3", "#dc2626"),
+    (1, 3): ("level-1 draft, rejected by level 3", "#b91c1c"),
 }
-REJECTED_LABELS = {2: "level-1 draft, rejected by level 2", 3: "level-2 draft, rejected by level 3"}
-REJECTED_COLORS = {REJECTED_LABELS[2]: "#d1d5db", REJECTED_LABELS[3]: "#fecaca"}
-TRIFORCE_COLORS = {**{label: colour for label, colour in PROVENANCE_COLORS.items()
-                      if label != PROVENANCE_LABELS["target"]}, **REJECTED_COLORS}
-AR_COLORS = {PROVENANCE_LABELS["target"]: PROVENANCE_COLORS[PROVENANCE_LABELS["target"]]}
-SPAN_LABELS = {"sink": "attention sink", "hot": "kept by ≥ half of layer×heads", "warm": "kept by some heads"}
-SPAN_COLORS = {SPAN_LABELS["sink"]: "#a78bfa", SPAN_LABELS["hot"]: "#f97316", SPAN_LABELS["warm"]: "#fde68a"}
+SPANS = {"sink": ("attention sink", "#a78bfa"), "hot": ("kept by ≥ half of layer×heads", "#f97316"),
+         "warm": ("kept by some heads", "#fde68a")}
+# The checkboxes that switch an answer's overlays on, by the answer's element id; pure CSS (:has), so a switch is
+# instant, needs no request, and holds while a run streams new frames.
+OVERLAYS = {"answer": ("colour-answer", "show-rejected"), "compare-tf": ("colour-compare", "compare-show-rejected")}
+OVERLAY_ALPHA = "55"  # the provenance colours behind the text, translucent
 DOC_VIEW_CHUNKS = 40
-TIMELINE_ROUNDS = 300  # the timeline shows at most this many of the latest rounds
+TIMELINE_ITEMS = 120  # the timeline shows at most this many of the latest rounds (and groups of autoregressive steps)
 TIMELINE_LEGEND = ("<i class='ok'></i> kept <i class='no'></i> rejected <i class='skip'></i> discarded after it "
-                   "<i class='l2'></i> level-2 token <i class='l3'></i> level-3 correction/bonus")
+                   "<i class='l2'></i> level-2 token <i class='l3'></i> level-3 correction/bonus "
+                   "<b class='tl-plan'>▸</b> plan chosen (method auto)")
 
 
-def struck(text: str) -> str:
-    """Text drawn struck through (a combining long stroke after each visible character), on one line."""
-    return "".join(" " if c.isspace() else c + "\u0336" for c in text.replace("\n", "↵"))
+def _rejection_class(rejection: Rejection) -> str:
+    return f"r{rejection[0]}{rejection[1]}"
 
 
-def answer_pieces(state: RunState, show_rejected: bool = True) -> list[tuple[str, str | None]]:
-    """The answer so far as (text, provenance label) pairs for gr.HighlightedText; with `show_rejected`, the drafts a
-    level rejected, struck through where they were tried."""
-    pieces = [(text, PROVENANCE_LABELS.get(prov, prov)) for text, prov in state.pieces]
-    if not show_rejected:
-        return pieces
-    out: list[tuple[str, str | None]] = []
+def overlay_css() -> str:
+    """The answer's CSS: plain text by default; the provenance colours and the rejected drafts shown while their
+    checkbox is ticked."""
+    colours = " ".join(f".p-{key} {{--c: {colour}{OVERLAY_ALPHA}}}" for key, (_, colour) in PROVENANCE.items())
+    rejected = " ".join(f".{_rejection_class(r)} {{color: {colour}}}" for r, (_, colour) in REJECTED.items())
+    rules = [".answer-text {white-space: pre-wrap; line-height: 1.7; min-height: 5rem; padding: 6px 2px}",
+             ".answer-text .legend {display: none; flex-wrap: wrap; gap: 2px 10px; font-size: 0.8rem; "
+             "margin-bottom: 6px; white-space: normal}",
+             ".answer-text del {display: none; text-decoration-thickness: 2px}",
+             ".answer-text .hint {color: var(--body-text-color-subdued)}", colours, rejected]
+    for answer, (colour_box, rejected_box) in OVERLAYS.items():
+        on = f"body:has(#{colour_box} input:checked) #{answer}"
+        rules += [f"{on} .legend {{display: flex}}", f"{on} [class^='p-'] {{background: var(--c); border-radius: 3px}}",
+                  f"body:has(#{rejected_box} input:checked) #{answer} del {{display: inline}}"]
+    spans = " ".join(f".doc-view .s-{key} {{background: {colour}66}}" for key, (_, colour) in SPANS.items())
+    return "\n".join(rules + [".doc-view {line-height: 1.6} .doc-view .gap {color: var(--body-text-color-subdued)}",
+                              ".doc-view .legend {font-size: 0.8rem; margin-bottom: 4px}", spans])
+
+
+def _runs(pieces: list[tuple[str, str]]) -> list[str]:
+    """Spans of consecutive answer pieces of one provenance (a span per token would make long answers heavy)."""
+    out: list[str] = []
+    start = 0
+    for i in range(1, len(pieces) + 1):
+        if i == len(pieces) or pieces[i][1] != pieces[start][1]:
+            text = "".join(text for text, _ in pieces[start:i])
+            out.append(f"<span class='p-{pieces[start][1]}'>{html.escape(text)}</span>")
+            start = i
+    return out
+
+
+def answer_html(state: RunState | None, placeholder: str = "The answer appears here.") -> str:
+    """The answer so far as text; each stretch carries its provenance and each rejected draft sits (struck through)
+    where it was tried, both hidden until their checkbox shows them (overlay_css)."""
+    if state is None or not state.pieces:
+        return f"<div class='answer-text'><span class='hint'>{html.escape(placeholder)}</span></div>"
+    provenances = dict.fromkeys(prov for _, prov in state.pieces)
+    legend = [f"<span class='p-{key}'>{PROVENANCE[key][0]}</span>" for key in PROVENANCE if key in provenances]
+    legend += [f"<del class='{_rejection_class(r)}'>{label}</del>" for r, (label, _) in REJECTED.items()
+               if any(rejection == r for _, rejection, _ in state.rejected)]
+    parts: list[str] = []
     done = 0
-    for at, level, text in state.rejected:  # in answer order
-        out += pieces[done:at]
+    for at, rejection, text in state.rejected:  # in answer order
+        parts += _runs(state.pieces[done:at])
         done = at
-        out.append((struck(text), REJECTED_LABELS[level]))
-    return out + pieces[done:]
+        parts.append(f"<del class='{_rejection_class(rejection)}'>{html.escape(text)}</del>")
+    parts += _runs(state.pieces[done:])
+    return f"<div class='answer-text'><div class='legend'>{''.join(legend)}</div>{''.join(parts)}</div>"
 
 
 def _cells(proposed: int, accepted: int) -> str:
@@ -62,28 +96,53 @@ def _cells(proposed: int, accepted: int) -> str:
         "<i class='skip'></i>" * max(rejected - 1, 0)
 
 
-def timeline_html(state: RunState, limit: int = TIMELINE_ROUNDS) -> str:
-    """A strip of the level-3 rounds: level 3's verdict on the level-2 tokens on top, each level-2 step's verdict on
-    the level-1 tokens below (hover a round for the counts)."""
-    rounds = [trace for trace in state.rounds if trace.proposed]
-    if not rounds:
+def _round_block(trace) -> str:
+    """One level-3 round: level 3's verdict on the drafted tokens on top, each level-2 step's verdict below."""
+    ending = "bonus" if trace.bonus else "correction"
+    drafted = f"level-{trace.drafter} tokens"
+    tip = f"round {trace.round}: level 3 kept {trace.accepted} of {trace.proposed} {drafted}, then its {ending}"
+    if trace.steps:
+        tip += "; level 2 kept " + ", ".join(f"{kept}/{tried}" for tried, kept in trace.steps) + " level-1 tokens"
+    top = _cells(trace.proposed, trace.accepted) + "<i class='l3'></i>"
+    bottom = "<s></s>".join(_cells(tried, kept) + "<i class='l2'></i>" for tried, kept in trace.steps)
+    return (f"<span class='tl-round' title='{html.escape(tip, quote=True)}'><span>{top}</span>"
+            f"<span>{bottom}</span></span>")
+
+
+def timeline_html(state: RunState, limit: int = TIMELINE_ITEMS) -> str:
+    """A strip of the level-3 rounds (hover one for its counts), stretches of autoregressive steps grouped, and a
+    marker where method auto's planner changed the hierarchy (hover it for why)."""
+    if not state.rounds:
         note = ("Autoregressive decoding drafts nothing." if state.method == "ar"
                 else "The speculation timeline appears with the first level-3 round.")
         return f"<div class='tl'><div class='tl-head'>{note}</div></div>"
-    blocks = []
-    for trace in rounds[-limit:]:
-        ending = "bonus" if trace.bonus else "correction"
-        steps = ", ".join(f"{kept}/{tried}" for tried, kept in trace.steps)
-        tip = (f"round {trace.round}: level 3 kept {trace.accepted} of {trace.proposed} level-2 tokens, then its "
-               f"{ending}; level 2 kept {steps} level-1 tokens")
-        top = _cells(trace.proposed, trace.accepted) + "<i class='l3'></i>"
-        bottom = "<s></s>".join(_cells(tried, kept) + "<i class='l2'></i>" for tried, kept in trace.steps)
-        blocks.append(f"<span class='tl-round' title='{html.escape(tip, quote=True)}'><span>{top}</span>"
-                      f"<span>{bottom}</span></span>")
-    shown = f"{len(rounds)} rounds" + (f", the last {limit} shown" if len(rounds) > limit else "")
-    return (f"<div class='tl'><div class='tl-head'>Top: level 3 on the level-2 tokens · below: level 2 on the "
+    plans = {plan.round: plan for plan in state.plans}
+    items: list[str] = []
+    plain = 0  # autoregressive steps in a row (nothing drafted)
+
+    def flush() -> None:
+        nonlocal plain
+        if plain:
+            items.append(f"<span class='tl-ar' title='{plain} autoregressive steps'>{plain} AR</span>")
+            plain = 0
+
+    for trace in state.rounds:
+        if trace.round in plans:
+            flush()
+            plan = plans[trace.round]
+            items.append(f"<b class='tl-plan' title='{html.escape(plan.reason, quote=True)}'>▸ "
+                         f"{html.escape(plan.plan)}</b>")
+        if trace.proposed or trace.steps:
+            flush()
+            items.append(_round_block(trace))
+        else:  # nothing drafted: an autoregressive step
+            plain += 1
+    flush()
+    verified = sum(1 for trace in state.rounds if trace.proposed)
+    shown = f"{verified} rounds with drafts" + (f", the last {limit} items shown" if len(items) > limit else "")
+    return (f"<div class='tl'><div class='tl-head'>Top: level 3 on the drafted tokens · below: level 2 on the "
             f"level-1 tokens, step by step · {TIMELINE_LEGEND} · {shown}</div>"
-            f"<div class='tl-rounds'>{''.join(blocks)}</div></div>")
+            f"<div class='tl-rounds'>{''.join(items[-limit:])}</div></div>")
 
 
 def selected_chunks(totals: np.ndarray, limit: int = DOC_VIEW_CHUNKS) -> list[int]:
@@ -96,35 +155,41 @@ def selected_chunks(totals: np.ndarray, limit: int = DOC_VIEW_CHUNKS) -> list[in
     return sorted(chosen)
 
 
-def document_view(state: RunState, limit: int = DOC_VIEW_CHUNKS) -> list[tuple[str, str | None]]:
-    """A compact view of the document: the most-kept chunks highlighted, skipped stretches summarised."""
+def document_html(state: RunState, limit: int = DOC_VIEW_CHUNKS) -> str:
+    """A compact view of the document: the most-kept chunks of the latest selection highlighted, the stretches
+    between them summarised."""
     if state.layer_counts is None or not state.chunk_texts:
-        return []
+        return "<div class='doc-view'><span class='gap'>The kept spans appear after the first selection.</span></div>"
     totals = state.totals
     half = max(state.max_count // 2, 1)
-    out: list[tuple[str, str | None]] = []
+    legend = " ".join(f"<mark class='s-{key}'>{label}</mark>" for key, (label, _) in SPANS.items())
+    out: list[str] = []
     previous = -1
     for idx in selected_chunks(totals, limit):
         if idx > previous + 1:
-            skipped = (idx - previous - 1) * state.chunk_size
-            out.append((f" … [{skipped} tokens] … ", None))
-        label = SPAN_LABELS["sink"] if idx == 0 else SPAN_LABELS["hot" if totals[idx] >= half else "warm"]
-        out.append((state.chunk_texts[idx], label))
+            out.append(f"<span class='gap'> … {(idx - previous - 1) * state.chunk_size:,} tokens … </span>")
+        key = "sink" if idx == 0 else "hot" if totals[idx] >= half else "warm"
+        out.append(f"<mark class='s-{key}'>{html.escape(state.chunk_texts[idx])}</mark>")
         previous = idx
     if previous < len(state.chunk_texts) - 1:
-        out.append((f" … [{(len(state.chunk_texts) - previous - 1) * state.chunk_size} tokens] …", None))
-    return out
+        out.append(f"<span class='gap'> … {(len(state.chunk_texts) - previous - 1) * state.chunk_size:,} tokens …"
+                   "</span>")
+    return f"<div class='doc-view'><div class='legend'>{legend}</div>{''.join(out)}</div>"
+
+
+NOT_APPLICABLE = "—"
 
 
 def _fmt(value: float | None, pattern: str) -> str:
-    """Format a number or show a dash when unknown."""
-    return "–" if value is None else pattern.format(value)
+    """Format a number, or a dash where it does not apply or is not known yet."""
+    return NOT_APPLICABLE if value is None else pattern.format(value)
 
 
 def stats_markdown(stats: dict) -> str:
     """A two-column Markdown table of the headline figures."""
     mib = 1 / 2**20
     speed = stats.get("tokens_per_s")
+    budget = stats.get("budget_pct_of_prompt")
     rows = [
         ("tokens generated", str(stats.get("new_tokens", 0))),
         ("decode: tokens / s", _fmt(speed, "{:.2f}")),
@@ -132,11 +197,10 @@ def stats_markdown(stats: dict) -> str:
         ("prefill" + (" (cache of the previous run reused)" if stats.get("prefill_reused") else ""),
          _fmt(stats.get("prefill_s"), "{:.2f} s")),
         ("time to first token (prefill + first round)", _fmt(stats.get("time_to_first_token_s"), "{:.2f} s")),
-        ("level-1 acceptance (by level 2)", _fmt(stats.get("level1_acceptance"), "{:.0%}")),
+        ("level-1 acceptance", _fmt(stats.get("level1_acceptance"), "{:.0%}")),
         ("level-2 acceptance (by level 3)", _fmt(stats.get("level2_acceptance"), "{:.0%}")),
         ("tokens per target forward", _fmt(stats.get("tokens_per_target_forward"), "{:.2f}")),
-        ("budget / prompt", "100 % (whole prompt)" if (stats.get("budget_pct_of_context") or 0) >= 100
-         else _fmt(stats.get("budget_pct_of_context"), "{:.1f} %")),
+        ("budget / prompt", "100 % (whole prompt)" if budget == 100 else _fmt(budget, "{:.1f} %")),
         ("full KV cache" + (" (in CPU memory, streamed to the GPU)" if stats.get("offloaded") else ""),
          _fmt(stats["cache_bytes"] * mib if stats.get("cache_bytes") else None, "{:.1f} MiB")),
         ("retrieval cache", _fmt(stats["retrieval_cache_bytes"] * mib if stats.get("retrieval_cache_bytes") else None,
@@ -149,7 +213,7 @@ def stats_markdown(stats: dict) -> str:
     if stats.get("device"):
         rows.append(("device · dtype", f"{stats['device']} · {stats.get('dtype', '')}"))
     if stats.get("dropped_tokens"):
-        rows.append(("tokens dropped (truncated)", str(stats["dropped_tokens"])))
+        rows.append(("tokens dropped (truncated)", f"{stats['dropped_tokens']:,}"))
     header = "| | " + ("final" if stats.get("finished") else "live") + " |\n|---|---|\n"
     return header + "\n".join(f"| {name} | {value} |" for name, value in rows)
 
@@ -161,25 +225,40 @@ def placement_markdown(caches: dict) -> str:
            "GPU layer by layer at each level-3 (full-cache) step · " + " · ".join(parts)
 
 
+def plan_line(state: RunState) -> str | None:
+    """One line on what method auto's planner chose and why (None when no planner ran)."""
+    if not state.plans:
+        return None
+    now = state.plans[-1]
+    line = f"🧭 **Method auto** chose **{now.plan}** from round {now.round}: {now.reason}"
+    earlier = [plan.plan for plan in state.plans[:-1]]
+    return line + (f" (before: {' → '.join(earlier)})" if earlier else "")
+
+
+def truncation_line(state: RunState) -> str | None:
+    """The notice of a document that lost its middle to fit the context."""
+    if not state.dropped_tokens:
+        return None
+    return (f"⚠️ The document did not fit the context ({state.context_length:,} tokens): its middle "
+            f"{state.dropped_tokens:,} tokens were dropped (beginning and end kept).")
+
+
 def status_markdown(state: RunState) -> str:
-    """One line on what the run is doing, plus a truncation notice."""
+    """One line on what the run is doing, then the planner's choice and a truncation notice where they apply."""
     if state.finished:
-        reason = (state.final_stats or {}).get("stop_reason") or "done"
+        reason = state.final_stats.stop_reason or "done"
         line = f"✅ Finished ({reason}): {len(state.token_ids)} tokens."
     elif state.stage == "prefill":
-        line = f"⏳ Prefill: {state.prefill_done:,} / {state.prefill_total:,} prompt tokens ({state.prefill_s:.1f} s)"
+        share = f"{state.prefill_done / state.prefill_total:.0%} of " if state.prefill_total else ""
+        line = f"⏳ Prefill: {share}the {state.prompt_tokens:,}-token prompt ({state.prefill_s:.1f} s)"
     elif state.stage.startswith("loading"):
         line = f"⏳ {state.stage.capitalize()} ({state.load_fraction:.0%})"
     elif state.stage == "decoding":
         line = f"▶️ Decoding: {len(state.pieces)} tokens"
     else:
         line = "⏳ Starting…"
-    if state.offloaded:
-        line += "\n\n" + placement_markdown(state.caches)
-    if state.dropped_tokens:
-        line += (f"\n\n⚠️ The document did not fit the context ({state.context_length:,} tokens): its middle "
-                 f"{state.dropped_tokens:,} tokens were dropped (beginning and end kept).")
-    return line
+    notes = [placement_markdown(state.caches) if state.offloaded else None, plan_line(state), truncation_line(state)]
+    return "\n\n".join([line, *(note for note in notes if note)])
 
 
 def stats_for(state: RunState) -> tuple[str, dict]:

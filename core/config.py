@@ -86,11 +86,11 @@ class GenerationConfig:
                                  "8192 with the full cache offloaded)", label="Retrieval budget (tokens)", low=1,
                                  high=1 << 20)
     chunk_size: int = setting(8, "tokens per retrieval chunk", label="Chunk size (tokens)", low=1, high=64)
-    gamma1: int = setting(2, "level-1 tokens per level-2 verification", label="γ1 (level-1 tokens per level-2 check)",
+    gamma1: int = setting(2, "level-1 tokens per level-2 verification", label="γ1 (level-1 draft length)",
                           low=1, high=16)
     gamma2: int | None = setting(None, "level-2 tokens per level-3 verification (default 6, or 12 with the full cache "
                                  f"offloaded; method auto: the most it may choose, default {AUTO_GAMMA2})",
-                                 label="γ2 (level-2 tokens per level-3 check)", low=1, high=32)
+                                 label="γ2 (level-2 draft length)", low=1, high=32)
     drafter: str = setting("auto", "level-1 drafter (auto: the draft model if one is loaded, else ngram)",
                            label="Level-1 drafter", choices=DRAFTER_CHOICES)
     reselect: Reselect = setting("once", "when to choose the retrieved chunks again: a policy or every N "
@@ -107,13 +107,12 @@ class GenerationConfig:
                                         "already in the answer divided by this (negative ones multiplied; 1: off)",
                                         label="Repetition penalty", low=1.0, high=3.0, step=0.05)
     no_repeat_ngram_size: int = setting(0, "the target never repeats an n-gram of this many tokens within the answer "
-                                        "(0: off)", label="No repeated n-gram in the answer (tokens)", low=0, high=64)
-    greedy: bool = setting(False, "greedy decoding (token-identical to autoregressive)",
-                           label="Greedy (token-identical to autoregressive)")
+                                        "(0: off)", label="No repeated n-gram", low=0, high=64)
+    greedy: bool = setting(False, "greedy decoding (token-identical to autoregressive)", label="Greedy")
     seed: int = setting(0, "random seed (0 to 2^63 - 1)", label="Seed", low=0, high=SEED_LIMIT - 1)
     stop: list[str] = setting([], "stop string (repeatable)", label="Stop strings", app=False)
     overflow: str = setting("truncate", "a document longer than the context: drop its middle, or refuse",
-                            label="Document longer than the context", choices=("truncate", "refuse"))
+                            label="Overlong document", choices=("truncate", "refuse"))
     sink_tokens: int = setting(16, "StreamingLLM sink tokens of the level-1 cache (and of level 2's with "
                                "level2_cache streaming)", label="Sink tokens (StreamingLLM)", low=1, high=4096)
     window_tokens: int = setting(240, "StreamingLLM recent window of the level-1 cache", label="Draft window tokens",
@@ -122,9 +121,9 @@ class GenerationConfig:
     draft_confidence: float = setting(0.0, "the model drafter stops proposing when its top probability is below "
                                       "this (0: never)", label="Draft confidence gate", low=0.0, high=0.99, step=0.05)
     lookup_min: int = setting(4, "the model drafter copies what followed an earlier match of this many tokens "
-                              "(0: never)", label="Copy from the text after a match of (tokens)", low=0, high=64)
+                              "(0: never)", label="Copy after a match of", low=0, high=64)
     draft_fusion: bool = setting(True, "a draft with a fusion module reads the target's hidden state (off: the draft "
-                                 "alone)", label="Draft reads the target's hidden state")
+                                 "alone)", label="Draft fusion")
     prefill_chunk: int | None = setting(None, "tokens per prefill forward (default: 2048 on a CPU, as many as fit "
                                         "on a GPU)", label="Prefill chunk", low=1, high=1 << 24, app=False)
     offload: str = setting("auto", "keep the full KV cache in CPU memory and stream it to the GPU layer by layer "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 # Where an emitted token came from.
@@ -223,6 +223,11 @@ class Stats(Acceptance):
         return {**asdict(self), "level1_acceptance": self.level1_acceptance,
                 "level2_acceptance": self.level2_acceptance}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Stats":
+        """The Stats a to_dict() came from (its derived ratios are properties again)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
 
 @dataclass
 class Finished(Event):
@@ -236,3 +241,18 @@ class Finished(Event):
     def to_dict(self) -> dict:
         return {"kind": "Finished", "text": self.text, "token_ids": self.token_ids,
                 "prompt_ids": self.prompt_ids, "stats": self.stats.to_dict()}
+
+
+EVENT_KINDS: dict[str, type[Event]] = {cls.__name__: cls for cls in Event.__subclasses__()}
+
+
+def event_from_dict(data: dict) -> Event:
+    """The typed event a dict from Event.to_dict() came from: what a process that received plain data (a UI, a
+    ZeroGPU worker's caller) folds."""
+    values = {k: v for k, v in data.items() if k != "kind"}
+    cls = EVENT_KINDS.get(data.get("kind", ""))
+    if cls is None:
+        raise ValueError(f"unknown event kind {data.get('kind')!r}")
+    if cls is Finished:
+        values["stats"] = Stats.from_dict(values["stats"])
+    return cls(**values)

@@ -51,6 +51,12 @@ class Fit:
         return self.document_tokens > self.room
 
     @property
+    def prompt_tokens(self) -> int:
+        """Tokens of the prompt a run builds: the template, the question and the document as kept."""
+        kept = self.room if self.overflows else self.document_tokens
+        return len(self.before) + len(self.between) + len(self.question) + len(self.after) + kept
+
+    @property
     def dropped(self) -> int:
         """Document tokens a truncating run drops (its middle, to make room for the head, the tail and a marker)."""
         return self.document_tokens - (self.room - len(self.marker)) if self.overflows else 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import html
 import json
+import re
 import socket
 import threading
 import time
@@ -14,6 +16,8 @@ import pytest
 
 from core import GenerationConfig, TriForceError
 from core.config import settings
+from core.events import (Finished, Loading, PlanChosen, PrefillProgress, PromptReady, RetrievalSelection, Stats,
+                         StepTiming, Tokens)
 from core.text import html_to_text
 
 from app import callbacks
@@ -21,40 +25,55 @@ from app.documents import MAX_UPLOAD_BYTES, DocumentError, load_samples, read_do
 from app.figures import HEATMAP_MODES, compare_bars, cost_figure, pick_rows, selection_heatmap
 from app.presets import CUSTOM, EMBEDDED, PRESETS, all_presets, env_preset
 from app.settings import app_settings, build_config, build_panel
-from app.state import MAX_COLUMNS, RunState, apply_event, bin_edges, bin_max, level_costs, live_stats
-from app.views import (PROVENANCE_LABELS, REJECTED_LABELS, SPAN_LABELS, answer_pieces, document_view, stats_markdown,
-                       status_markdown, struck, timeline_html)
+from app.state import (MAX_COLUMNS, RunState, ShownVerdict, apply_event, bin_edges, bin_max, level_costs, live_stats,
+                       raw_data, typed)
+from app.views import (PROVENANCE, REJECTED, SPANS, answer_html, document_html, stats_markdown, status_markdown,
+                       timeline_html)
 from tests.pdfs import text_pdf
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(max_new_tokens=16, budget=128, chunk_size=8, gamma1=2, gamma2=6, drafter="auto", reselect="once",
                 temperature=0.6, top_p=0.9, seed=0, greedy=True, overflow="truncate")
 BROKEN_TARGET = "/nonexistent/triforce-target"
+FRAME_LIMIT = 256 * 1024  # bytes of one streamed frame, whatever the document's length
 
 
-def selection_event(num_chunks: int, chunk_ids: list[list[list[int]]], round_: int = 0) -> dict:
-    """A RetrievalSelection event dict."""
-    return {"kind": "RetrievalSelection", "round": round_, "position": 0, "chunk_size": 8, "num_chunks": num_chunks,
-            "prompt_tokens": num_chunks * 8, "budget": 64, "chunk_ids": chunk_ids, "seconds": 0.0}
+def selection_event(num_chunks: int, chunk_ids: list[list[list[int]]], round_: int = 0) -> RetrievalSelection:
+    """A RetrievalSelection of budget 64 over chunks of 8 tokens."""
+    return RetrievalSelection(round_, 0, 8, num_chunks, num_chunks * 8, 64, chunk_ids, 0.0, 4096)
 
 
-def prompt_event(num_chunks: int, dropped: int = 0) -> dict:
-    """A PromptReady event dict with chunk texts 'c0 ', 'c1 ', ..."""
-    return {"kind": "PromptReady", "prompt_tokens": num_chunks * 8, "document_tokens": num_chunks * 8,
-            "dropped_tokens": dropped, "context_length": 8192, "max_new_tokens": 8, "chunk_size": 8,
-            "chunk_texts": [f"c{i} " for i in range(num_chunks)]}
+def prompt_event(num_chunks: int, dropped: int = 0) -> PromptReady:
+    """A PromptReady with chunk texts 'c0 ', 'c1 ', ..."""
+    return PromptReady(num_chunks * 8, num_chunks * 8, dropped, 8192, 8, 8, [f"c{i} " for i in range(num_chunks)])
 
 
-def tokens_event(texts: list[str], provenance: list[str], round_: int) -> dict:
-    """A Tokens event dict."""
-    return {"kind": "Tokens", "ids": list(range(len(texts))), "texts": texts, "provenance": provenance,
-            "round": round_}
+def tokens_event(texts: list[str], provenance: list[str], round_: int) -> Tokens:
+    return Tokens(list(range(len(texts))), texts, provenance, round_)
 
 
-def verdict_event(level: int, round_: int, texts: str, accepted: int, bonus: bool = False) -> dict:
-    """A Verdict event dict proposing one token per character of `texts`, with the texts the app's engine side adds."""
-    return {"kind": "Verdict", "level": level, "round": round_, "proposed": [ord(c) for c in texts],
-            "accepted": accepted, "token": 0, "bonus": bonus, "proposed_texts": list(texts)}
+def verdict_event(level: int, round_: int, texts: str, accepted: int, bonus: bool = False) -> ShownVerdict:
+    """A Verdict proposing one token per character of `texts`, with the texts the app's engine side adds."""
+    return ShownVerdict(level, round_, [ord(c) for c in texts], accepted, 0, bonus, proposed_texts=list(texts))
+
+
+def run_stats(**figures) -> Stats:
+    """A finished run's Stats: `figures` over zeros."""
+    base = dict(method="triforce", new_tokens=0, prompt_tokens=0, dropped_tokens=0, prefill_s=0.0,
+                prefill_reused=False, decode_s=0.0, tokens_per_s=0.0, time_to_first_token_s=0.0, target_forwards=0,
+                tokens_per_target_forward=0.0)
+    return Stats(**{**base, **figures})
+
+
+def finished_event(token_ids: list[int] = (), **figures) -> Finished:
+    return Finished("", list(token_ids), [], run_stats(new_tokens=len(token_ids), **figures))
+
+
+def answer_parts(markup: str) -> list[tuple[str, str]]:
+    """(class, text) of each stretch of an answer's HTML, after its legend."""
+    body = markup.split("</div>", 1)[1]
+    return [(cls, html.unescape(text)) for _, cls, text in re.findall(r"<(span|del) class='([^']+)'>(.*?)</\1>",
+                                                                          body, re.S)]
 
 
 # ---------------------------------------------------------------- documents
@@ -212,33 +231,55 @@ def test_bins_cover_all_chunks_within_the_column_limit() -> None:
     assert len(bin_edges(10)) - 1 == 10
 
 
+def test_events_from_the_engine_are_rebuilt_typed_at_the_boundary(embedded) -> None:
+    cfg = GenerationConfig(method="triforce", max_new_tokens=6, budget=64, greedy=True)
+    events = list(embedded.generate("The cat sat on the mat. " * 20, "Where did the cat sit?", cfg))
+    assert {type(e).__name__ for e in events} >= {"PromptReady", "PrefillProgress", "RetrievalSelection", "Verdict",
+                                                   "Tokens", "StepTiming", "Finished"}
+    assert [typed(e.to_dict()) for e in events] == events
+    stats = typed(events[-1].to_dict()).stats
+    assert isinstance(stats, Stats) and stats.level2_acceptance == events[-1].stats.level2_acceptance
+    shown = typed({"kind": "Verdict", "level": 3, "round": 0, "proposed": [5], "accepted": 0, "token": 1,
+                   "bonus": False, "proposed_texts": ["x"]})
+    assert isinstance(shown, ShownVerdict) and shown.proposed_texts == ["x"]
+    with pytest.raises(ValueError, match="unknown event kind 'Nonsense'"):
+        typed({"kind": "Nonsense"})
+
+
 def test_reducer_tracks_tokens_selection_and_acceptance() -> None:
     state = RunState()
     apply_event(state, prompt_event(20), now=0.0)
-    apply_event(state, {"kind": "PrefillProgress", "done": 160, "total": 160, "seconds": 1.5}, now=1.5)
+    apply_event(state, PrefillProgress(159, 159, 1.5, 1000), now=1.5)
     # 2 layers × 2 KV heads; chunk 0 kept by all four, chunk 7 by three, chunk 19 by one
     apply_event(state, selection_event(20, [[[0, 7], [0, 7]], [[0, 7], [0, 19]]]))
-    apply_event(state, {"kind": "Verdict", "level": 2, "round": 0, "proposed": [1, 2], "accepted": 1, "token": 3,
-                        "bonus": False})
-    apply_event(state, {"kind": "Verdict", "level": 3, "round": 0, "proposed": [1, 2, 3], "accepted": 2, "token": 4,
-                        "bonus": False})
+    apply_event(state, verdict_event(2, 0, "ab", 1))
+    apply_event(state, verdict_event(3, 0, "abc", 2))
     apply_event(state, tokens_event(["A", "b", "c"], ["draft", "level2", "level3"], 0), now=2.0)
     apply_event(state, selection_event(20, [[[0, 1], [0, 1]], [[0, 1], [0, 1]]], round_=1))
     apply_event(state, tokens_event(["d"], ["level3"], 1), now=2.5)
     assert state.totals.tolist()[:2] == [4, 4] and state.max_count == 4
     assert state.step_rounds == [0, 1] and state.step_selection == [0, 1]
-    assert answer_pieces(state, show_rejected=False) == [
-        ("A", PROVENANCE_LABELS["draft"]), ("b", PROVENANCE_LABELS["level2"]), ("c", PROVENANCE_LABELS["level3"]),
-        ("d", PROVENANCE_LABELS["level3"])]
-    # without the texts the app's engine side adds, a rejected draft shows its token id
-    assert [piece for piece in answer_pieces(state) if piece[1] in REJECTED_LABELS.values()] == [
-        (struck("⟨2⟩"), REJECTED_LABELS[2]), (struck("⟨3⟩"), REJECTED_LABELS[3])]
+    assert answer_parts(answer_html(state)) == [("p-draft", "A"), ("r12", "b"), ("p-level2", "b"), ("r23", "c"),
+                                                ("p-level3", "cd")]  # one stretch per provenance in a row
     stats = live_stats(state, now=3.5)
     assert stats["level1_acceptance"] == 0.5 and stats["level2_acceptance"] == pytest.approx(2 / 3)
     assert stats["tokens_per_s"] == pytest.approx(4 / 2.0) and stats["tokens_per_target_forward"] == 4.0
-    assert stats["budget_pct_of_context"] == pytest.approx(100 * 64 / 160) and not stats["finished"]
+    assert stats["budget_pct_of_prompt"] == pytest.approx(100 * 64 / 160) and not stats["finished"]
+    assert stats["cache_bytes"] == 1000 and stats["retrieval_cache_bytes"] == 4096  # known while running
     first = state.selection_columns[0]
     assert first[0] == 4 and first[7] == 3 and first[19] == 1 and first[1] == 0
+    assert [r for r, _ in state.kept_selections] == [0, 1] and state.kept_selections[0][1].shape == (20,)
+
+
+def test_time_to_first_token_is_counted_from_the_runs_own_prompt() -> None:
+    """Compare creates both runs' states before the first one starts: the second run's clock starts at its own
+    prompt, not at the first run's."""
+    state = RunState(started=0.0)
+    apply_event(state, prompt_event(4), now=30.0)
+    apply_event(state, PrefillProgress(31, 31, 0.5, 0, reused=True), now=30.5)
+    apply_event(state, tokens_event(["a"], ["level3"], 0), now=30.8)
+    stats = live_stats(state, now=31.0)
+    assert stats["time_to_first_token_s"] == pytest.approx(0.8) and stats["prefill_reused"]
 
 
 def test_rejected_drafts_are_placed_where_they_were_tried() -> None:
@@ -250,40 +291,90 @@ def test_rejected_drafts_are_placed_where_they_were_tried() -> None:
                tokens_event(["F", "G", "H", "Y"], ["draft", "draft", "level2", "level3"], 1),
                verdict_event(3, 2, "IJK", 2), tokens_event(["I"], ["level2"], 2)):  # the answer ends after I
         apply_event(state, ev)
-    level1, level2 = REJECTED_LABELS[2], REJECTED_LABELS[3]
     # "b" was tried at position 1 and rejected by level 2; level 3 rejected B there, and with it the run CD, inside
     # which level 2 had rejected "cd"; the K level 3 rejected in round 2 lies beyond the answer (cut after I)
-    assert state.rejected == [(1, 2, "b"), (1, 3, "B"), (1, 2, "cd"), (1, 3, "CD")]
-    assert answer_pieces(state) == [("A", PROVENANCE_LABELS["draft"]), (struck("b"), level1), (struck("B"), level2),
-                                    (struck("cd"), level1), (struck("CD"), level2), ("X", PROVENANCE_LABELS["level3"]),
-                                    *answer_pieces(state, show_rejected=False)[2:]]
-    assert [text for text, _ in answer_pieces(state, show_rejected=False)] == list("AXFGHYI")
-    assert struck("a b\n") == "a\u0336 b\u0336↵\u0336"
+    assert state.rejected == [(1, (1, 2), "b"), (1, (2, 3), "B"), (1, (1, 2), "cd"), (1, (2, 3), "CD")]
+    parts = answer_parts(answer_html(state))
+    assert parts[:6] == [("p-draft", "A"), ("r12", "b"), ("r23", "B"), ("r12", "cd"), ("r23", "CD"),
+                         ("p-level3", "X")]
+    assert "".join(text for cls, text in parts if cls.startswith("p-")) == "AXFGHYI"
+    legend = answer_html(state).split("</div>", 1)[0]
+    assert REJECTED[(1, 2)][0] in legend and REJECTED[(1, 3)][0] not in legend and PROVENANCE["copy"][0] not in legend
     assert [(t.steps, t.proposed, t.accepted, t.bonus) for t in state.rounds] == [
         ([(2, 1), (2, 0), (1, 1)], 4, 1, False), ([(2, 2)], 3, 3, True), ([], 3, 2, False)]
-    assert (state.level1_proposed, state.level1_accepted, state.level2_proposed, state.level2_accepted) == (7, 4, 10, 6)
+    c = state.counts
+    assert (c.level1_proposed, c.level1_accepted, c.level2_proposed, c.level2_accepted) == (7, 4, 10, 6)
     strip = timeline_html(state)
     assert strip.count("'tl-round'") == 3 and "3 rounds" in strip and "level 3 kept 1 of 4 level-2 tokens" in strip
     first = strip.split("'tl-round'")[1]
     assert first.count("'ok'") == 1 + 2 and first.count("'no'") == 1 + 2 and first.count("'skip'") == 2 + 1
-    assert timeline_html(state, limit=2).count("'tl-round'") == 2 and "the last 2 shown" in timeline_html(state, 2)
+    assert timeline_html(state, limit=2).count("'tl-round'") == 2 and "the last 2 items shown" in \
+        timeline_html(state, 2)
     assert "drafts nothing" in timeline_html(RunState(method="ar"))
+
+
+def test_answer_is_escaped_text_and_its_overlays_are_switched_by_their_checkboxes() -> None:
+    state = RunState()
+    apply_event(state, tokens_event(["<b>x</b>", " & y\n"], ["draft", "draft"], 0))
+    markup = answer_html(state)
+    assert "<b>x" not in markup and answer_parts(markup) == [("p-draft", "<b>x</b> & y\n")]
+    assert "appears here" in answer_html(RunState()) and "appears here" in answer_html(None)
+    css = callbacks_css()
+    for answer, (colour, rejected) in (("answer", ("colour-answer", "show-rejected")),
+                                       ("compare-tf", ("colour-compare", "compare-show-rejected"))):
+        assert f"body:has(#{colour} input:checked) #{answer} [class^='p-']" in css
+        assert f"body:has(#{rejected} input:checked) #{answer} del {{display: inline}}" in css
+    assert ".answer-text del {display: none" in css  # plain text unless asked
+
+
+def callbacks_css() -> str:
+    from app.layout import CSS
+
+    return CSS
+
+
+def test_a_plan_the_planner_chooses_is_said_in_one_line_and_marked_on_the_timeline() -> None:
+    state = RunState(method="auto")
+    apply_event(state, PlanChosen(0, "levels 1 → 2 → 3 (γ1 2, γ2 6)", "measuring what each level costs", True, True,
+                                  2, 6))
+    apply_event(state, verdict_event(2, 0, "ab", 2, bonus=True))
+    apply_event(state, verdict_event(3, 0, "abc", 3, bonus=True))
+    apply_event(state, tokens_event(list("abcd"), ["draft", "draft", "level2", "level3"], 0))
+    apply_event(state, PlanChosen(1, "levels 1 → 3 (γ 4)", "expected 1.30× autoregressive; a level-1 token 5%",
+                                  True, False, 0, 4))
+    apply_event(state, verdict_event(3, 1, "efgh", 1))  # level 3 checks level 1's tokens directly
+    apply_event(state, tokens_event(["e", "Z"], ["draft", "level3"], 1))
+    apply_event(state, PlanChosen(2, "autoregressive", "expected 1.12× autoregressive", False, False, 0, 0))
+    for round_ in (2, 3, 4):
+        apply_event(state, verdict_event(3, round_, "", 0, bonus=True))
+        apply_event(state, tokens_event(["q"], ["level3"], round_))
+    c = state.counts
+    assert (c.level1_proposed, c.level1_accepted, c.level2_proposed, c.level2_accepted) == (2 + 4, 2 + 1, 3, 3)
+    assert state.rejected == [(5, (1, 3), "fgh")]
+    strip = timeline_html(state)
+    marks = re.findall(r"<b class='tl-plan' title='([^']*)'>▸ ([^<]*)</b>", strip)
+    assert [plan for _, plan in marks] == [p.plan for p in state.plans] and "expected 1.30×" in marks[1][0]
+    assert "3 AR" in strip and "level 3 kept 1 of 4 level-1 tokens" in strip
+    status = status_markdown(state)
+    line = next(line for line in status.split("\n\n") if "Method auto" in line)
+    assert "**autoregressive** from round 2: expected 1.12× autoregressive" in line
+    assert "before: levels 1 → 2 → 3 (γ1 2, γ2 6) → levels 1 → 3 (γ 4)" in line
+    assert [p["plan"] for p in live_stats(state)["plans"]] == [p.plan for p in state.plans]
 
 
 def test_level_costs_of_a_finished_run() -> None:
     state = RunState()
-    apply_event(state, {**selection_event(4, [[[0]]]), "seconds": 0.001})
+    apply_event(state, RetrievalSelection(0, 0, 8, 4, 32, 64, [[[0]]], 0.001, 100))
     for ev in (verdict_event(2, 0, "ab", 1), verdict_event(2, 0, "c", 1), verdict_event(3, 0, "abc", 3, True),
                verdict_event(2, 1, "d", 0), verdict_event(3, 1, "d", 0)):
         apply_event(state, ev)
     for round_, ms in ((0, 3.0), (1, 2.0)):
-        apply_event(state, {"kind": "StepTiming", "round": round_, "level1_ms": ms, "level2_ms": 2 * ms,
-                            "level3_ms": 3 * ms, "selection_ms": 0.0, "tokens": 1})
+        apply_event(state, StepTiming(round_, ms, 2 * ms, 3 * ms, 0.0, 1))
     assert level_costs(state) == [] and live_stats(state)["levels"] == []
-    stats = {"drafter": "model", "level1_steps": 5, "target_forwards": 2, "level1_weight_bytes": 1000,
-             "level1_cache_bytes": 24, "target_weight_bytes": 4000, "retrieval_cache_bytes": 100, "cache_bytes": 1000,
-             "tokens_per_target_forward": 2.5, "device": "cpu", "dtype": "float32"}
-    apply_event(state, {"kind": "Finished", "text": "", "token_ids": [], "prompt_ids": [], "stats": stats})
+    stats = dict(drafter="model", level1_steps=5, target_forwards=2, level1_weight_bytes=1000, level1_cache_bytes=24,
+                 target_weight_bytes=4000, retrieval_cache_bytes=100, cache_bytes=1000,
+                 tokens_per_target_forward=2.5, device="cpu", dtype="float32")
+    apply_event(state, finished_event(**stats))
     rows = {row["key"]: row for row in level_costs(state)}
     assert list(rows) == ["level1", "level2", "level3", "selection"]
     assert (rows["level1"]["steps"], rows["level1"]["ms_per_step"], rows["level1"]["bytes_per_step"]) == (5, 1.0, 1024)
@@ -293,14 +384,28 @@ def test_level_costs_of_a_finished_run() -> None:
     assert rows["selection"]["ms"] == pytest.approx(1.0) and rows["selection"]["bytes_per_step"] is None
     assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
     assert rows["level3"]["share"] == pytest.approx(15 / 31)
-    assert [row["key"] for row in level_costs(RunState(method="ar", final_stats=stats))] == ["target"]
-    ngram = RunState(rounds=state.rounds, final_stats={**stats, "drafter": "ngram", "level1_steps": 0})
+    ar = RunState(method="ar", final_stats=run_stats(**stats))
+    assert [row["key"] for row in level_costs(ar)] == ["target"]
+    ngram = RunState(rounds=state.rounds, final_stats=run_stats(**{**stats, "drafter": "ngram", "level1_steps": 0}))
     assert level_costs(ngram)[0]["steps"] == 3 and "n-gram" in level_costs(ngram)[0]["level"]
-    assert "level1" not in {r["key"] for r in level_costs(RunState(final_stats={**stats, "drafter": "none"}))}
-    figure = cost_figure(live_stats(state)["levels"], 2.5, level_costs(RunState(method="ar", final_stats=stats)))
+    assert "level1" not in {r["key"] for r in level_costs(RunState(final_stats=run_stats(**{**stats,
+                                                                                         "drafter": "none"})))}
+    figure = cost_figure(live_stats(state)["levels"], 2.5, level_costs(ar))
     assert len(figure.data) == 3 and len(figure.data[0].y) == 5 and len(figure.data[2].y) == 4
     assert "2.50 tokens per target forward" in figure.layout.title.text
     assert_valid_plotly(figure)
+
+
+def test_an_autoregressive_table_shows_a_dash_for_what_does_not_apply() -> None:
+    ar = RunState(method="ar")
+    apply_event(ar, prompt_event(4))
+    apply_event(ar, finished_event([1, 2], method="ar", tokens_per_s=5.0, target_forwards=2,
+                                   tokens_per_target_forward=1.0, cache_bytes=2**20))
+    table = stats_markdown(live_stats(ar))
+    for row in ("level-1 acceptance", "level-2 acceptance (by level 3)", "budget / prompt", "retrieval cache"):
+        assert f"| {row} | — |" in table
+    assert "| tokens per target forward | 1.00 |" in table and "| full KV cache | 1.0 MiB |" in table
+    assert "0 %" not in table and "–" not in table
 
 
 def assert_valid_plotly(figure) -> None:
@@ -315,14 +420,62 @@ def test_document_view_highlights_kept_chunks_and_summarises_gaps() -> None:
     state = RunState()
     apply_event(state, prompt_event(20))
     apply_event(state, selection_event(20, [[[0, 7], [0, 7]], [[0, 7], [0, 19]]]))
-    view = document_view(state)
-    assert view[0] == ("c0 ", SPAN_LABELS["sink"])
-    assert (" … [48 tokens] … ", None) in view
-    assert ("c7 ", SPAN_LABELS["hot"]) in view and ("c19 ", SPAN_LABELS["warm"]) in view
-    assert all(text != "c3 " for text, _ in view)
+    view = document_html(state)
+    marks = re.findall(r"<mark class='s-(\w+)'>([^<]*)</mark>", view.split("</div>", 1)[1])
+    assert marks == [("sink", "c0 "), ("hot", "c7 "), ("warm", "c19 ")]
+    assert " … 48 tokens … " in view and "c3 " not in view
+    assert all(label in view for label, _ in SPANS.values())
 
 
-def test_heatmap_bins_long_documents_and_hovers_with_snippets() -> None:
+def heavy_run(tokens: int, rounds: int, answer_per_round: int = 4) -> RunState:
+    """A run over a `tokens`-token prompt (chunks of 8, a 30-layer × 3-KV-head model, budget 4096) re-selecting
+    every round, as RetrievalSelection events would say: synthetic events, no model."""
+    rng = np.random.default_rng(0)
+    chunks, state = tokens // 8, RunState(method="auto")
+    apply_event(state, PromptReady(tokens, tokens - 40, 0, 131072, 256, 8, ["a chunk " for _ in range(chunks)]))
+    apply_event(state, PrefillProgress(tokens - 1, tokens - 1, 9.0, 2**34))
+    apply_event(state, PlanChosen(0, "levels 1 → 2 → 3 (γ1 2, γ2 6)", "measuring what each level costs", True,
+                                  True, 2, 6))
+    base = [[rng.choice(chunks, 512, replace=False) for _ in range(3)] for _ in range(30)]
+    for round_ in range(rounds):
+        ids = [[np.sort((h + round_) % chunks).tolist() for h in heads] for heads in base]
+        apply_event(state, RetrievalSelection(round_, 0, 8, chunks, tokens, 4096, ids, 0.001, 2**27))
+        apply_event(state, verdict_event(2, round_, "ab", 1))
+        apply_event(state, verdict_event(3, round_, "wxyz", answer_per_round - 1))
+        apply_event(state, tokens_event([" tok"] * answer_per_round, ["draft"] * (answer_per_round - 1) + ["level3"],
+                                        round_))
+        apply_event(state, StepTiming(round_, 1.0, 2.0, 3.0, 0.1, answer_per_round))
+    return state
+
+
+def frame_bytes(frame: dict) -> int:
+    """Bytes of a frame as the app sends it: every output but the server-side state, a figure as plotly JSON."""
+    import plotly.graph_objects as go
+
+    sent = {name: value.to_json() if isinstance(value, go.Figure) else value for name, value in frame.items()
+            if name != "run_state"}
+    return len(json.dumps(sent, ensure_ascii=False, default=str).encode())
+
+
+def test_frames_stay_small_at_120k_tokens_and_the_download_has_every_chunk(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(callbacks, "RAW_DIR", tmp_path)
+    state = heavy_run(122_880, rounds=160)
+    frame = callbacks.triforce_frame(state, HEATMAP_MODES[0])
+    assert frame_bytes(frame) <= FRAME_LIMIT
+    trace = json.loads(frame["heatmap"].to_json())["data"][0]
+    rows, columns = (int(n) for n in trace["z"]["shape"].split(","))
+    assert columns == MAX_COLUMNS and rows <= 96 and "Per decoding step, 160 selection(s)" in \
+        frame["heatmap"].layout.title.text
+    apply_event(state, finished_event(list(range(640)), prompt_tokens=122_880, cache_bytes=2**34))
+    frame = callbacks.triforce_frame(state, HEATMAP_MODES[0])
+    assert frame_bytes({**frame, "raw_stats": None}) <= FRAME_LIMIT
+    raw = json.loads(Path(frame["raw_stats"]).read_text())
+    assert len(raw["selections"]) == 160 and all(len(s["kept_by"]) == 15_360 for s in raw["selections"])
+    assert raw == json.loads(json.dumps(raw_data(state)))
+    assert len(raw["last_selection_per_layer"]) == 30 and raw["answer"]["pieces"][0] == [" tok", "draft"]
+
+
+def test_heatmap_shows_layers_for_one_selection_and_steps_once_rows_differ() -> None:
     state = RunState()
     apply_event(state, prompt_event(5000))
     rng = np.random.default_rng(0)
@@ -330,23 +483,27 @@ def test_heatmap_bins_long_documents_and_hovers_with_snippets() -> None:
     apply_event(state, selection_event(5000, heads))
     for step in range(300):
         apply_event(state, tokens_event(["x"], ["draft"], step))
-    figure = json.loads(selection_heatmap(state, HEATMAP_MODES[0]).to_json())
-    trace = figure["data"][0]
-    assert trace["type"] == "heatmap" and trace["z"]["dtype"] == "u1"
-    rows, columns = (int(n) for n in trace["z"]["shape"].split(","))
-    assert columns == MAX_COLUMNS and rows <= 256 and rows == len(pick_rows(300))
-    assert trace["x"][0].startswith("chunks 0–") and "tokens 0–" in trace["x"][0] and "“c0 c1" in trace["x"][0]
-    layer = json.loads(selection_heatmap(state, HEATMAP_MODES[1]).to_json())["data"][0]
-    assert layer["z"]["shape"].replace(" ", "") == f"4,{MAX_COLUMNS}"
-    assert len(json.dumps(figure)) < 600_000
-    assert_valid_plotly(selection_heatmap(state, HEATMAP_MODES[0]))
+    auto = selection_heatmap(state, HEATMAP_MODES[0])
+    assert auto.layout.title.text.startswith("Per layer, the answer's one selection")
+    layer = json.loads(auto.to_json())["data"][0]
+    assert layer["z"]["shape"].replace(" ", "") == f"4,{MAX_COLUMNS}" and layer["y"] == [0, 1, 2, 3]
+    steps = json.loads(selection_heatmap(state, HEATMAP_MODES[1]).to_json())["data"][0]
+    rows, columns = (int(n) for n in steps["z"]["shape"].split(","))
+    assert columns == MAX_COLUMNS and rows == len(pick_rows(300)) <= 96 and steps["z"]["dtype"] == "u1"
+    assert steps["x"][0].startswith("chunks 0–") and "tokens 0–" in steps["x"][0] and "“c0 c1" in steps["x"][0]
+    apply_event(state, selection_event(5000, [[[0, 1]] * 3] * 4, round_=300))  # a re-selection: rows now differ
+    apply_event(state, tokens_event(["x"], ["draft"], 300))
+    assert selection_heatmap(state, HEATMAP_MODES[0]).layout.title.text.startswith("Per decoding step, 2 selection")
+    apply_event(state, selection_event(5000, [[[0, 1]] * 3] * 4, round_=301))  # the same again: nothing new kept
+    assert len(state.kept_selections) == 2
+    assert_valid_plotly(auto)
 
 
 def test_heatmap_hover_shows_document_markup_as_text() -> None:
     from app.figures import column_labels
 
     state = RunState()
-    apply_event(state, {**prompt_event(2), "chunk_texts": ["<b>bold</b> & ", "<a href='x'>link</a>"]})
+    apply_event(state, PromptReady(16, 16, 0, 8192, 8, 8, ["<b>bold</b> & ", "<a href='x'>link</a>"]))
     apply_event(state, selection_event(2, [[[0, 1]]]))
     labels = column_labels(state)
     assert "“&lt;b&gt;bold&lt;/b&gt; &amp;”" in labels[0] and "“&lt;a href=&#x27;x&#x27;&gt;link" in labels[1]
@@ -365,11 +522,15 @@ def test_heatmap_without_retrieval_says_why() -> None:
     assert_valid_plotly(figure)
 
 
-def test_stats_and_status_mention_truncation() -> None:
+def test_status_and_stats_give_one_count_of_the_prompt_and_of_what_was_dropped() -> None:
     state = RunState()
-    apply_event(state, prompt_event(4, dropped=1234))
-    assert "middle 1,234 tokens were dropped" in status_markdown(state)
-    assert "tokens dropped (truncated) | 1234" in stats_markdown(live_stats(state))
+    apply_event(state, PromptReady(2193, 4880, 2691, 8192, 128, 8, ["x"] * 275))
+    assert "Prefill: the 2,193-token prompt" in status_markdown(state)
+    apply_event(state, PrefillProgress(1024, 2192, 1.0, 0))
+    status = status_markdown(state)
+    assert "Prefill: 47% of the 2,193-token prompt" in status and "2,192" not in status
+    assert "middle 2,691 tokens were dropped" in status
+    assert "| tokens dropped (truncated) | 2,691 |" in stats_markdown(live_stats(state))
 
 
 def test_offloaded_run_says_where_caches_live_and_what_crosses_the_link() -> None:
@@ -378,13 +539,12 @@ def test_offloaded_run_says_where_caches_live_and_what_crosses_the_link() -> Non
     assert "CPU memory" not in status_markdown(state)
     caches = {"full KV cache": {"where": "CPU", "bytes": 3 * 2**30},
               "retrieval cache": {"where": "GPU", "bytes": 2**29}}
-    apply_event(state, {**prompt_event(4), "offloaded": True, "caches": caches})
+    apply_event(state, PromptReady(32, 32, 0, 8192, 8, 8, ["c "] * 4, offloaded=True, caches=caches))
     status = status_markdown(state)
     assert "lives in CPU memory" in status and "full KV cache 3.00 GiB on the CPU" in status
     assert "retrieval cache 0.50 GiB on the GPU" in status
-    stats = {"new_tokens": 4, "host_link_bytes": 2 * 2**30, "target_forwards": 1, "cache_bytes": 3 * 2**30,
-             "warmup_s": 0.5, "drafter": "none"}
-    apply_event(state, {"kind": "Finished", "text": "", "token_ids": [1, 2, 3, 4], "prompt_ids": [], "stats": stats})
+    apply_event(state, finished_event([1, 2, 3, 4], host_link_bytes=2 * 2**30, target_forwards=1,
+                                      cache_bytes=3 * 2**30, warmup_s=0.5, drafter="none"))
     table = stats_markdown(live_stats(state))
     assert "CPU → GPU per token (host link) | 0.50 GiB" in table and "in CPU memory, streamed" in table
     assert "warm-up (CUDA graphs captured, not in decode time) | 0.50 s" in table
@@ -394,14 +554,11 @@ def test_offloaded_run_says_where_caches_live_and_what_crosses_the_link() -> Non
 def test_a_budget_over_the_prompt_reads_whole_prompt() -> None:
     state = RunState()
     state.prompt_tokens, state.budget = 100, 140
-    assert live_stats(state)["budget_pct_of_context"] == 100.0
+    assert live_stats(state)["budget_pct_of_prompt"] == 100.0
     assert "| budget / prompt | 100 % (whole prompt) |" in stats_markdown(live_stats(state))
 
 
-def test_document_line_counts_what_the_run_drops() -> None:
-    from core import GenerationConfig
-    from core.events import PromptReady
-
+def test_document_line_counts_what_the_run_drops_and_the_budgets_share_of_its_prompt() -> None:
     long_doc = (ROOT / "assets" / "docs" / "pride_and_prejudice.txt").read_text(encoding="utf-8")
     engine = callbacks.load_engine(None, None)
     events = engine.generate(long_doc, "Who is Mr Darcy?", GenerationConfig(max_new_tokens=64))
@@ -410,22 +567,32 @@ def test_document_line_counts_what_the_run_drops() -> None:
     assert isinstance(ready, PromptReady) and ready.dropped_tokens > 100_000
     line = callbacks.describe_document(long_doc, EMBEDDED, 4096, "Who is Mr Darcy?", 64)
     assert f"drops the middle {ready.dropped_tokens:,} tokens" in line and "64 answer tokens" in line
-    assert "= the whole document" in callbacks.describe_document("A short note.", EMBEDDED, 4096)
+    state = RunState()
+    apply_event(state, ready)
+    apply_event(state, RetrievalSelection(0, 0, 8, ready.prompt_tokens // 8, ready.prompt_tokens, 4096, [[[0]]], 0.0,
+                                          0))
+    share = live_stats(state)["budget_pct_of_prompt"]
+    assert f"budget 4,096 tokens = {share:.1f} % of the {ready.prompt_tokens:,}-token prompt" in line
+    assert "= the whole prompt" in callbacks.describe_document("A short note.", EMBEDDED, 4096)
 
 
-def test_comparison_summary_checks_token_identity() -> None:
-    ar, tf = RunState(method="ar"), RunState()
-    for state, ids in ((ar, [1, 2, 3]), (tf, [1, 2, 4])):
-        state.final_stats, state.token_ids = {"tokens_per_s": 2.0 if state is ar else 5.0}, ids
+def test_comparison_summary_checks_token_identity_and_says_where_outputs_differ() -> None:
+    ar, tf = RunState(method="ar"), RunState(method="auto")
+    ar.final_stats = run_stats(method="ar", tokens_per_s=2.0, near_ties=[(2, 0.01)])
+    tf.final_stats = run_stats(method="auto", tokens_per_s=5.0)
+    ar.token_ids, tf.token_ids = [1, 2, 3], [1, 2, 4]
     text, summary = callbacks.comparison_summary(ar, tf, greedy=True)
     assert summary["identical"] is False and summary["first_difference"] == 2 and summary["speedup"] == 2.5
-    assert "differ" in text
+    assert "differ from token 3" in text and "near-tie" in text and summary["method"] == "auto"
     tf.token_ids = [1, 2, 3]
     assert callbacks.comparison_summary(ar, tf, greedy=True)[1]["identical"] is True
     assert callbacks.comparison_summary(ar, tf, greedy=False)[1]["identical"] is None
-    tf.final_stats |= {"device": "cuda:0", "dtype": "bfloat16", "prefill_reused": True, "prefill_s": 0.01}
+    tf.final_stats = run_stats(method="auto", tokens_per_s=5.0, device="cuda:0", dtype="bfloat16",
+                               prefill_reused=True, prefill_s=0.01)
+    tf.plans.append(PlanChosen(0, "autoregressive", "expected 1.00× autoregressive", False, False, 0, 0))
     text, summary = callbacks.comparison_summary(ar, tf, greedy=False)
     assert summary["device"] == "cuda:0 · bfloat16" and "Ran on **cuda:0 · bfloat16**" in text and "reused" in text
+    assert "**Method auto** chose **autoregressive** from round 0: expected 1.00×" in text
     bars = compare_bars(live_stats(ar), live_stats(tf))
     assert len(bars.data) == 8 and "cuda:0 · bfloat16" in bars.layout.title.text
     assert [a.text for a in bars.layout.annotations][2:] == ["prefill (s)", "time to first token (s)"]
@@ -476,19 +643,19 @@ def run_kwargs(document: str, **overrides) -> dict:
             **overrides}
 
 
-def test_triforce_streams_coloured_tokens_heatmap_and_stats(server, short_doc: str) -> None:
+def test_triforce_streams_the_answer_heatmap_stats_and_the_full_data(server, short_doc: str) -> None:
     _, client = server
-    job = client.submit(**run_kwargs(short_doc), api_name="/triforce")
-    answers = [len(update[1] or []) for update in job]
-    status, answer, plot, doc_view, stats_md, stats, timeline, costs = job.outputs()[-1]
+    job = client.submit(**run_kwargs(short_doc, method="triforce"), api_name="/triforce")
+    emitted = [len("".join(text for cls, text in answer_parts(update[1]) if cls.startswith("p-")))
+               for update in job if update[1] and "</div>" in update[1]]
+    status, answer, plot, doc_view, stats_md, stats, timeline, costs, raw = job.outputs()[-1]
     assert status.startswith("✅ Finished")
-    assert len([n for n in answers if n]) >= 2 and answers == sorted(answers), "answer did not stream"
-    labels = {piece["class_or_confidence"] for piece in answer}
-    accepted = [piece for piece in answer if piece["class_or_confidence"] not in REJECTED_LABELS.values()]
-    assert labels <= {PROVENANCE_LABELS[p] for p in ("draft", "copy", "level2", "level3")} | \
-        set(REJECTED_LABELS.values()) and accepted
-    assert "".join(piece["token"] for piece in accepted).strip()
-    assert all("\u0336" in piece["token"] for piece in answer if piece not in accepted)
+    assert len([n for n in emitted if n]) >= 2 and emitted == sorted(emitted), "answer did not stream"
+    parts = answer_parts(answer)
+    accepted = "".join(text for cls, text in parts if cls.startswith("p-"))
+    assert {cls for cls, _ in parts} <= {f"p-{p}" for p in ("draft", "copy", "level2", "level3")} | \
+        {"r12", "r23", "r13"} and accepted.strip()
+    assert "im_end" not in answer and "im_start" not in doc_view  # special tokens are never shown as text
     levels = {row["key"]: row for row in stats["levels"]}
     assert {"level1", "level2", "level3", "selection"} <= set(levels) and levels["level3"]["steps"] >= 1
     assert levels["level3"]["bytes_per_step"] > levels["level2"]["bytes_per_step"] > levels["level1"]["bytes_per_step"]
@@ -496,31 +663,42 @@ def test_triforce_streams_coloured_tokens_heatmap_and_stats(server, short_doc: s
     rounds = levels["level3"]["steps"]
     assert f"{rounds} rounds" in timeline and timeline.count("'tl-round'") == rounds
     assert [trace["y"] for trace in json.loads(costs["plot"])["data"]][0][-2].startswith("level 3")
-    heat = json.loads(plot["plot"])["data"][0]
-    assert heat["type"] == "heatmap"
+    figure = json.loads(plot["plot"])
+    heat = figure["data"][0]
+    assert heat["type"] == "heatmap" and figure["layout"]["title"]["text"].startswith("Per layer, the answer's one")
     z = np.frombuffer(base64.b64decode(heat["z"]["bdata"]), dtype=np.uint8)
     assert z.size > 0 and z.max() > 0
-    assert any(piece["class_or_confidence"] == SPAN_LABELS["sink"] for piece in doc_view)
+    assert "<mark class='s-sink'>" in doc_view
     assert 1 <= stats["new_tokens"] <= SETTINGS["max_new_tokens"] and stats["finished"]
     assert stats["tokens_per_s"] > 0 and stats["prefill_s"] > 0 and stats["time_to_first_token_s"] > 0
     assert stats["tokens_per_target_forward"] >= 1 and stats["cache_bytes"] > 0
     assert "tokens / s" in stats_md
+    data = json.loads(Path(raw).read_text())
+    assert data["stats"]["new_tokens"] == stats["new_tokens"] and data["answer"]["token_ids"]
+    assert len(data["selections"][0]["kept_by"]) == data["prompt"]["num_chunks"] > 0
 
 
-def test_compare_greedy_outputs_are_token_identical(server, short_doc: str) -> None:
+def test_compare_runs_method_auto_beside_ar_and_greedy_outputs_are_token_identical(server, short_doc: str) -> None:
     _, client = server
     job = client.submit(**run_kwargs(short_doc, max_new_tokens=12), api_name="/compare")
     list(job)
-    status, ar_answer, tf_answer, ar_md, tf_md, bars, verdict, summary, timeline, costs = job.outputs()[-1]
+    (status, ar_answer, tf_head, tf_answer, ar_md, tf_md, bars, verdict, summary, timeline,
+     costs) = job.outputs()[-1]
     assert summary["greedy"] is True and summary["identical"] is True, summary
-    tf_tokens = [p["token"] for p in tf_answer if p["class_or_confidence"] not in REJECTED_LABELS.values()]
-    assert [p["token"] for p in ar_answer] == tf_tokens and ar_answer
-    assert "Ran on **cpu · float32**" in verdict and "cpu · float32" in tf_md and "'tl-round'" in timeline
+    assert summary["method"] == "auto" and "Method auto" in tf_head and "**Method auto** chose" in verdict
+    ar_parts = answer_parts(ar_answer)
+    tf_text = "".join(text for cls, text in answer_parts(tf_answer) if cls.startswith("p-"))
+    assert "".join(text for _, text in ar_parts) == tf_text and {cls for cls, _ in ar_parts} == {"p-target"}
+    assert "Ran on **cpu · float32**" in verdict and "cpu · float32" in tf_md and "tl-plan" in timeline
+    assert "| level-1 acceptance | — |" in ar_md and "| budget / prompt | — |" in ar_md
     cost_rows = json.loads(costs["plot"])["data"][0]["y"]
     assert cost_rows[-1] == "autoregressive: target + full cache" and cost_rows[0].startswith("level 1")
-    assert {p["class_or_confidence"] for p in ar_answer} == {PROVENANCE_LABELS["target"]}
     assert summary["speedup"] > 0 and summary["ar"]["tokens_per_s"] > 0 and summary["triforce"]["tokens_per_s"] > 0
-    assert "Token-identical" in verdict and len(json.loads(bars["plot"])["data"]) == 8
+    assert summary["triforce"]["plans"] and "Token-identical" in verdict and len(json.loads(bars["plot"])["data"]) == 8
+    live = [frame[8]["triforce"]["time_to_first_token_s"] for frame in job.outputs() if isinstance(frame[8], dict)]
+    first_live = next(t for t in live if t is not None)  # while it ran: its own clock, not the AR run's before it
+    assert first_live < summary["triforce"]["time_to_first_token_s"] + 1.0 < summary["ar"]["decode_s"] + \
+        summary["ar"]["prefill_s"] + 1.0
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -579,7 +757,7 @@ def test_overlong_document_is_truncated_or_refused(server) -> None:
     assert "longer than the context" in info
     with pytest.raises(AppError, match="(?i)context"):
         client.predict(**run_kwargs(long_doc, overflow="refuse"), api_name="/triforce")
-    status, *_, stats, _, _ = client.predict(**run_kwargs(long_doc, max_new_tokens=1), api_name="/triforce")
+    status, *_, stats, _, _, _ = client.predict(**run_kwargs(long_doc, max_new_tokens=1), api_name="/triforce")
     assert stats["dropped_tokens"] > 100_000 and "dropped" in status
 
 
@@ -625,9 +803,9 @@ def test_a_waiting_stream_yields_and_its_close_reaches_the_engine(monkeypatch):
 
     monkeypatch.setattr(inference, "_event_dicts", long_prefill)
     stream = inference.stream_events(PRESETS[0], "a document", "a question", GenerationConfig())
-    assert next(stream)["kind"] == "Loading"
+    assert next(stream) == Loading("ready", 1.0)  # rebuilt typed from the engine side's dict
     started = time.monotonic()
-    assert next(stream)["kind"] == "Waiting" and time.monotonic() - started < 10
+    assert isinstance(next(stream), inference.Waiting) and time.monotonic() - started < 10
     stream.close()
     deadline = time.monotonic() + 10
     while "stopped" not in seen and time.monotonic() < deadline:
