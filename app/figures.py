@@ -51,7 +51,7 @@ def _axes(col: int) -> dict:
 def _figure(data: list[dict], title: str, height: int = 360, layout: dict | None = None) -> go.Figure:
     """A figure from trace dicts and layout entries, in the shared compact look, unvalidated (see the module note)."""
     layout = {**(layout or {}), "title": {"text": title, "font": {"size": 14}}, "template": _template(),
-              "height": height, "margin": {"l": 60, "r": 20, "t": 40, "b": 40}}
+              "height": height, "margin": {"l": 60, "r": 20, "t": 64 if "<br>" in title else 40, "b": 40}}
     return go.Figure({"data": data, "layout": layout}, _validate=False)
 
 
@@ -95,7 +95,7 @@ def _heatmap(z: np.ndarray, labels: list[str], y: list, y_title: str, zmax: int,
                "hovertemplate": "%{x}<br>" + y_title + " %{y}<br>" + hover_what + ": %{z}<extra></extra>"}
     step = max(1, len(labels) // 8)
     ticks = [lab.split(" · ")[1].split("–")[0].replace("tokens ", "tok ") for lab in labels[::step]]
-    return _figure([heatmap], title, layout={
+    return _figure([heatmap], title, 380, layout={
         "xaxis": {"type": "category", "tickmode": "array", "tickvals": labels[::step], "ticktext": ticks,
                   "title": {"text": "document position"}},
         "yaxis": {"title": {"text": y_title}, "type": "category",
@@ -119,13 +119,13 @@ def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figur
                    else "The retrieval heatmap appears after prefill.")
         return empty_figure(message)
     labels = column_labels(state)
-    cache = f"{state.num_chunks:,} chunks of {state.chunk_size} tokens, budget {state.budget:,}"
+    cache = f"{state.num_chunks:,} chunks of {state.chunk_size} tokens, budget {state.budget:,} tokens"
     selections = len(state.selection_rounds)
     if heatmap_view(state, mode) == HEATMAP_MODES[2]:
         z = bin_max(state.layer_counts, state.edges)
-        why = ("the answer's one selection (each decoding step keeps the same chunks)" if selections == 1
-               else f"selection of round {state.selection_rounds[-1]}")
-        title = f"Per layer, {why}: KV heads keeping each chunk · {cache}"
+        why = ("the answer's one selection, kept at every decoding step" if selections == 1
+               else f"the selection of round {state.selection_rounds[-1]}")
+        title = f"Per layer: {why}<br><sup>KV heads keeping each chunk · {cache}</sup>"
         return _heatmap(z, labels, list(range(z.shape[0])), "layer", state.heads_per_layer, title, "KV heads")
     if state.step_selection:
         rows = pick_rows(len(state.step_selection))
@@ -134,7 +134,7 @@ def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figur
     else:
         z, y = state.selection_columns[-1][None, :], [state.selection_rounds[-1]]
     z = z.astype(compact_dtype(state.max_count), copy=False)
-    title = f"Per decoding step, {selections} selection(s): layer×heads keeping each chunk · {cache}"
+    title = f"Per decoding step: {selections} selections<br><sup>layer×heads keeping each chunk · {cache}</sup>"
     return _heatmap(z, labels, y, "decoding step", state.max_count, title, "layer×heads")
 
 

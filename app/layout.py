@@ -16,6 +16,7 @@ from app.explainer import EXPLANATION
 from app.figures import HEATMAP_MODES, cost_figure, empty_figure
 from app.presets import PRESET_SETTINGS, all_presets, default_preset, panel_overrides
 from app.settings import build_panel, method_widget, widget_args
+from app.state import RunState
 from app.views import answer_html, document_html, overlay_css
 
 UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
@@ -23,7 +24,6 @@ UPLOAD_READERS = 4  # uploads read at once (a PDF each in a child process, app.p
 QUICK_SETTINGS = ("greedy", "max_new_tokens")  # beside the model and the method, above the tabs: what a visitor changes
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
-#doc-view {max-height: 22rem; overflow-y: auto}
 .tl {font-size: 0.8rem; max-height: 16rem; overflow-y: auto}
 .tl-head {margin-bottom: 4px; color: var(--body-text-color-subdued)}
 .tl-rounds {display: flex; flex-wrap: wrap; gap: 5px 7px; align-items: center}
@@ -90,7 +90,7 @@ def build_demo() -> gr.Blocks:
         gr.Markdown(HEADER)
         with gr.Row(elem_id="quick-settings", equal_height=True):
             preset_name = gr.Dropdown([p.name for p in all_presets()], value=preset.name, label="Model preset",
-                                      elem_id="preset", scale=3)
+                                      elem_id="preset", scale=2)
             method = method_widget()
             quick = {name: kind(**kwargs) for name in QUICK_SETTINGS
                      for kind, kwargs in [widget_args(name, values.get(name, dataclasses.MISSING),
@@ -130,8 +130,8 @@ def build_demo() -> gr.Blocks:
                         heatmap = gr.Plot(empty_figure("Run to see which chunks the retrieval cache keeps."),
                                           label="Retrieval cache heatmap", elem_id="heatmap")
                         with gr.Row():
-                            doc_view = gr.HTML(document_html(callbacks.RunState()), label="Kept spans",
-                                               elem_id="doc-view")
+                            doc_view = gr.HTML(document_html(RunState()), label="Kept spans",
+                                               elem_id="doc-view", max_height=360)
                             stats = gr.Markdown(elem_id="stats")
                         costs = gr.Plot(cost_figure([], None), label="Cost per level", elem_id="costs")
                         with gr.Accordion("Raw stats", open=False):

@@ -82,7 +82,7 @@ def method_widget() -> gr.Radio:
     """The decoding method beside autoregressive decoding: the choices the app offers (Compare runs autoregressive
     decoding itself), the declaration's label and default."""
     spec = settings()["method"][1]
-    return gr.Radio(list(METHODS), value=default("method"), label=spec.label, elem_id="set-method",
+    return gr.Radio(list(METHODS), value=default("method"), label=spec.label, elem_id="set-method", scale=2,
                     info="auto: the planner picks the levels and γs round by round from measured costs · triforce: "
                     "always levels 1 → 2 → 3")
 

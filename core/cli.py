@@ -24,6 +24,7 @@ from core.loading import device_and_dtype, load_config
 from core.model import ModelArgs
 from core.parallel import TensorParallel, capacity, check_split, joined, launch
 from core.presets import PRESETS, Preset, by_id, installable, preset_config, resolve_preset
+from core.progress import Progress
 from core.prompting import MAX_DOCUMENT_CHARS
 
 COLOURS = {"draft": "\033[32m", "copy": "\033[36m", "level2": "\033[33m", "level3": "\033[35m", "target": ""}
@@ -85,6 +86,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--tp", type=int, help="tensor parallel over N processes, spawned here (under torchrun: its "
                        "processes): each holds 1/N of the target's heads, KV caches and MLP")
         s.add_argument("--json", action="store_true", help="print one JSON object")
+        s.add_argument("--quiet", action="store_true", help="no progress or notes on stderr (errors still)")
     s = sub.add_parser("install-models", help="fetch, assemble and verify the models of the offline presets")
     s.add_argument("ids", nargs="*", metavar="ID", help="presets to install (default: all of "
                    f"{', '.join(p.id for p in installable())})")
@@ -112,14 +114,15 @@ def preset_note(preset: Preset | None, typed: dict) -> str | None:
     return f"preset {preset.id}: {' '.join(taken)} (a flag overrides)" if taken else None
 
 
-def _run(engine: Engine, document: str, args, cfg: GenerationConfig, show: bool, note: str | None = None
-         ) -> Finished:
-    """Generate, streaming coloured tokens to stdout when `show`; return the Finished event. `note` goes to stderr
-    once the input is accepted (a refusal stays one line)."""
+def _run(engine: Engine, document: str, args, cfg: GenerationConfig, show: bool, progress: Progress,
+         note: str | None = None) -> Finished:
+    """Generate, streaming coloured tokens to stdout when `show` and what it is doing to stderr (`note` first, once
+    the input is accepted); return the Finished event."""
     events = engine.generate(document, args.prompt, cfg)
     if note:
-        print(note, file=sys.stderr)
+        progress.say(note)
     for event in events:
+        progress.event(event)
         if show and isinstance(event, Tokens):
             colour = sys.stdout.isatty()
             for text, prov in zip(event.texts, event.provenance):
@@ -209,18 +212,21 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
     methods = [{}] if args.command == "generate" else \
         [{"method": "ar"}, {"method": "triforce" if typed.get("method") == "triforce" else "auto"}]
     configs = [preset_config(preset, **{**typed, **m}).validate() for m in methods]
-    engine = Engine.load(args.target, args.draft, args.device, args.dtype, gpu_memory_gib=args.gpu_memory_gib, tp=tp)
+    progress = Progress(args.target, quiet=args.quiet or bool(tp and tp.rank))
+    engine = Engine.load(args.target, args.draft, args.device, args.dtype, progress=progress.loading,
+                         gpu_memory_gib=args.gpu_memory_gib, tp=tp)
     if args.gpu_memory_gib is not None and engine.target.device.type != "cuda" and not (tp and tp.rank):
         note_gpu_only("--gpu-memory-gib", engine.target.device.type)
     if args.command == "generate":
-        result = _run(engine, document, args, configs[0], show=not args.json, note=applied)
+        result = _run(engine, document, args, configs[0], not args.json, progress.run("", count_tokens=args.json),
+                      note=applied)
         if args.json:
             print(json.dumps(_summary(result)))
         else:
             print(f"\n\n{_stats_line(result.stats)}" + (f"\n{LEGEND}" if sys.stdout.isatty() else ""))
         return 0
-    ar = _run(engine, document, args, configs[0], show=False, note=applied)
-    tf = _run(engine, document, args, configs[1], show=False)
+    ar = _run(engine, document, args, configs[0], False, progress.run("ar"), note=applied)
+    tf = _run(engine, document, args, configs[1], False, progress.run(configs[1].method))
     same = ar.token_ids == tf.token_ids
     note = difference_note(ar.token_ids, tf.token_ids, ar.stats.near_ties)
     if args.json:

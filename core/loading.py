@@ -96,6 +96,15 @@ def _cache_dir(src: Source) -> Path:
     return cache_root() / f"{f.stem}-{key}"
 
 
+def needs_conversion(source: str | None) -> bool:
+    """Whether loading this source first converts a GGUF into a checkpoint (done once per file: then cached)."""
+    try:
+        src = resolve(source)
+        return bool(src.gguf_file) and not (_cache_dir(src) / "done").is_file()
+    except (TriForceError, OSError):  # the load itself will say what is wrong
+        return False
+
+
 def _offline_kwargs(src: Source) -> dict:
     """For a hub id: local_files_only when the local cache has it; fail in seconds when it has not and the hub
     cannot be reached (instead of a minute of retries)."""

@@ -464,7 +464,7 @@ def test_frames_stay_small_at_120k_tokens_and_the_download_has_every_chunk(tmp_p
     assert frame_bytes(frame) <= FRAME_LIMIT
     trace = json.loads(frame["heatmap"].to_json())["data"][0]
     rows, columns = (int(n) for n in trace["z"]["shape"].split(","))
-    assert columns == MAX_COLUMNS and rows <= 96 and "Per decoding step, 160 selection(s)" in \
+    assert columns == MAX_COLUMNS and rows <= 96 and "Per decoding step: 160 selections" in \
         frame["heatmap"].layout.title.text
     apply_event(state, finished_event(list(range(640)), prompt_tokens=122_880, cache_bytes=2**34))
     frame = callbacks.triforce_frame(state, HEATMAP_MODES[0])
@@ -484,7 +484,7 @@ def test_heatmap_shows_layers_for_one_selection_and_steps_once_rows_differ() -> 
     for step in range(300):
         apply_event(state, tokens_event(["x"], ["draft"], step))
     auto = selection_heatmap(state, HEATMAP_MODES[0])
-    assert auto.layout.title.text.startswith("Per layer, the answer's one selection")
+    assert auto.layout.title.text.startswith("Per layer: the answer's one selection, kept at every decoding step")
     layer = json.loads(auto.to_json())["data"][0]
     assert layer["z"]["shape"].replace(" ", "") == f"4,{MAX_COLUMNS}" and layer["y"] == [0, 1, 2, 3]
     steps = json.loads(selection_heatmap(state, HEATMAP_MODES[1]).to_json())["data"][0]
@@ -493,7 +493,7 @@ def test_heatmap_shows_layers_for_one_selection_and_steps_once_rows_differ() -> 
     assert steps["x"][0].startswith("chunks 0–") and "tokens 0–" in steps["x"][0] and "“c0 c1" in steps["x"][0]
     apply_event(state, selection_event(5000, [[[0, 1]] * 3] * 4, round_=300))  # a re-selection: rows now differ
     apply_event(state, tokens_event(["x"], ["draft"], 300))
-    assert selection_heatmap(state, HEATMAP_MODES[0]).layout.title.text.startswith("Per decoding step, 2 selection")
+    assert selection_heatmap(state, HEATMAP_MODES[0]).layout.title.text.startswith("Per decoding step: 2 selections")
     apply_event(state, selection_event(5000, [[[0, 1]] * 3] * 4, round_=301))  # the same again: nothing new kept
     assert len(state.kept_selections) == 2
     assert_valid_plotly(auto)
@@ -665,7 +665,7 @@ def test_triforce_streams_the_answer_heatmap_stats_and_the_full_data(server, sho
     assert [trace["y"] for trace in json.loads(costs["plot"])["data"]][0][-2].startswith("level 3")
     figure = json.loads(plot["plot"])
     heat = figure["data"][0]
-    assert heat["type"] == "heatmap" and figure["layout"]["title"]["text"].startswith("Per layer, the answer's one")
+    assert heat["type"] == "heatmap" and figure["layout"]["title"]["text"].startswith("Per layer: the answer's one")
     z = np.frombuffer(base64.b64decode(heat["z"]["bdata"]), dtype=np.uint8)
     assert z.size > 0 and z.max() > 0
     assert "<mark class='s-sink'>" in doc_view

@@ -1,8 +1,11 @@
-"""Real-browser test: Playwright drives Debian's headless chromium through a run, a stopped run and a screenshot."""
+"""Real-browser test: Playwright drives Debian's headless chromium as a first-time visitor would: the settings
+above the tabs, a run read as plain text and then with its overlays, a stopped run, a comparison, and the README's
+screenshot."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import time
@@ -20,10 +23,15 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SAMPLE = "The Declaration of Independence (July 4, 1776)"
 OTHER_SAMPLE = "Socket Programming HOWTO (Python 3.11 documentation)"
-STRUCK_TOKENS = """() => Array.from(document.querySelectorAll('#answer .textfield span.text'))
-    .filter(s => s.textContent.includes('\\u0336')).length"""
-COLOURED_TOKENS = """() => Array.from(document.querySelectorAll('#answer .textfield span'))
-    .filter(s => s.textContent.trim() && getComputedStyle(s).backgroundColor !== 'rgba(0, 0, 0, 0)').length"""
+VISIBLE = """(selector) => Array.from(document.querySelectorAll(selector))
+    .filter(e => e.textContent.trim() && getComputedStyle(e).display !== 'none')"""
+SHOWN_DRAFTS = f"() => ({VISIBLE})('#answer del').length"
+COLOURED = f"""() => ({VISIBLE})('#answer .answer-text > span')
+    .filter(e => getComputedStyle(e).backgroundColor !== 'rgba(0, 0, 0, 0)').length"""
+ANSWER_CHARS = "() => document.querySelector('#answer .answer-text').innerText.length"
+LABELS = "#settings label > span:first-child, #quick-settings label > span:first-child"
+LABEL_LINES = f"""() => Array.from(document.querySelectorAll('{LABELS}')).filter(e => e.offsetHeight)
+    .map(e => Math.round(e.offsetHeight / parseFloat(getComputedStyle(e).lineHeight)))"""
 
 
 def screenshot_path() -> Path:
@@ -54,7 +62,11 @@ def pick_sample(page, title: str) -> None:
     page.click(f'[role="option"][aria-label="{title}"]')
 
 
-def test_run_heatmap_stop_and_screenshot(app_url: str) -> None:
+def text(page, selector: str) -> str:
+    return page.inner_text(selector)
+
+
+def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=shutil.which(CHROMIUM), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1440, "height": 1300})
@@ -67,32 +79,47 @@ def test_run_heatmap_stop_and_screenshot(app_url: str) -> None:
         page.wait_for_function("() => document.querySelector('#document textarea').value.includes('Socket')")
         pick_sample(page, SAMPLE)
         page.wait_for_function("() => document.querySelector('#document textarea').value.includes('Declaration')")
-        page.wait_for_function("() => document.querySelector('#doc-info').innerText.includes('tokens')",
-                               timeout=60_000)
-        page.locator("#settings").get_by_text("Settings", exact=True).first.click()
+        # the settings a visitor changes sit above the tabs, beside the model and the method; no label wraps
         page.get_by_label("Max new tokens").fill("32")
-        page.get_by_label("Greedy (token-identical to autoregressive)").check()
-        page.locator("#settings").get_by_text("Settings", exact=True).first.click()  # fold it again for the shot
+        page.get_by_label("Greedy", exact=True).check()
+        page.wait_for_function("() => document.querySelector('#doc-info').innerText.includes('32 answer tokens')",
+                               timeout=60_000)
+        page.locator("#settings").get_by_text("More settings", exact=True).first.click()
+        lines = page.evaluate(LABEL_LINES)
+        assert len(lines) >= 20 and max(lines) <= 2, f"a setting's label wraps onto three lines or more: {lines}"
+        page.locator("#settings").get_by_text("More settings", exact=True).first.click()
 
         page.click("#run")
-        page.wait_for_function(f"() => ({COLOURED_TOKENS})() >= 12", timeout=240_000)
-        page.wait_for_selector("#heatmap .hm image", state="attached", timeout=30_000)
-        page.screenshot(path=str(screenshot_path()), full_page=True)
+        page.wait_for_function("() => document.querySelector('#status').innerText.includes('Prefill')"
+                               " || document.querySelector('#status').innerText.includes('Decoding')",
+                               timeout=240_000)
+        assert page.locator("#status .eta-bar, #status .progress-text").count() == 0  # one status line, ours
         page.wait_for_function("() => document.querySelector('#status').innerText.includes('Finished')",
                                timeout=240_000)
-        assert "kept by" in page.inner_text("#doc-view") and "tokens / s" in page.inner_text("#stats")
-        assert page.locator("#timeline .tl-round").count() >= 1
-        page.wait_for_function("() => document.querySelector('#costs').textContent.includes('level 3')")
-        struck = page.evaluate(STRUCK_TOKENS)
-        assert struck > 0, "no rejected draft shown"
-        page.locator("#show-rejected input").uncheck()
-        page.wait_for_function(f"() => ({STRUCK_TOKENS})() === 0")
+        # plain text by default; the provenance colours and the rejected drafts are overlays the checkboxes add
+        answer = text(page, "#answer")
+        assert page.evaluate(COLOURED) == 0 and page.evaluate(SHOWN_DRAFTS) == 0 and "im_end" not in answer
+        page.locator("#colour-answer input").check()
+        page.wait_for_function(f"() => ({COLOURED})() >= 2")
+        assert "level-1 draft, accepted" in text(page, "#answer")
+        chars = page.evaluate(ANSWER_CHARS)
         page.locator("#show-rejected input").check()
-        page.wait_for_function(f"() => ({STRUCK_TOKENS})() === {struck}")
+        page.wait_for_function(f"() => ({SHOWN_DRAFTS})() > 0")
+        assert page.evaluate(ANSWER_CHARS) > chars and "<|" not in text(page, "#answer")
+        page.wait_for_selector("#heatmap .hm image", state="attached", timeout=30_000)
+        assert "Per layer: the answer's one selection" in page.text_content("#heatmap")
+        assert "kept by" in text(page, "#doc-view") and "im_start" not in text(page, "#doc-view")
+        assert page.locator("#timeline .tl-round").count() >= 1 and "tl-plan" in page.inner_html("#timeline")
+        assert "Method auto" in text(page, "#status")
+        # one budget share of one prompt count on the screen: the document line's and the stats table's
+        share = re.search(r"budget 512 tokens = ([\d.]+) % of the ([\d,]+)-token prompt", text(page, "#doc-info"))
+        assert share and f"| budget / prompt | {share[1]} % |" in "| " + " | ".join(
+            text(page, "#stats").replace("\t", " | ").splitlines()) + " |"
+        page.wait_for_function("() => document.querySelector('#costs').textContent.includes('level 3')")
+        page.screenshot(path=str(screenshot_path()), full_page=True)
 
         page.fill("#document textarea", (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt")
                   .read_text(encoding="utf-8")[:1500])
-        page.locator("#settings").get_by_text("Settings", exact=True).first.click()
         page.get_by_label("Max new tokens").fill("400")
         page.click("#run")
         page.wait_for_function("() => document.querySelector('#status').innerText.includes('Decoding')",
@@ -106,9 +133,9 @@ def test_run_heatmap_stop_and_screenshot(app_url: str) -> None:
         except sync_api.TimeoutError:
             page.screenshot(path=str(ROOT / "tests" / "artifacts" / "stop-status.png"), full_page=True)
         time.sleep(0.5)
-        stopped_at = page.evaluate(COLOURED_TOKENS)
+        stopped_at = page.evaluate(ANSWER_CHARS)
         time.sleep(2.5)
-        assert page.evaluate(COLOURED_TOKENS) == stopped_at < 400, "generation went on after Stop"
+        assert page.evaluate(ANSWER_CHARS) == stopped_at, "generation went on after Stop"
         assert page.is_enabled("#run")
         page.get_by_label("Max new tokens").fill("4")  # the next run works
         page.click("#run")
@@ -116,10 +143,15 @@ def test_run_heatmap_stop_and_screenshot(app_url: str) -> None:
                                timeout=240_000)
 
         page.get_by_role("tab", name="Compare").click()
+        page.get_by_label("Max new tokens").fill("16")
         page.click("#compare-run")
         page.wait_for_function("() => document.querySelector('#verdict').innerText.includes('Token-identical')",
                                timeout=240_000)
-        assert "Ran on cpu" in page.inner_text("#verdict") and page.locator("#compare-timeline .tl-round").count()
+        verdict = text(page, "#verdict")
+        assert "Ran on cpu" in verdict and "Method auto chose" in verdict
+        ar_table = text(page, "#compare-ar-stats")
+        assert re.search(r"level-1 acceptance\s+—", ar_table) and re.search(r"budget / prompt\s+—", ar_table)
+        assert "0 %" not in ar_table
         page.wait_for_function("() => document.querySelector('#compare-costs').textContent.includes('autoregressive')")
         assert "time to first token" in page.text_content("#compare-bars")
         assert not errors, errors

@@ -1,12 +1,16 @@
-"""The command line: JSON output, compare with its equality check, one-line refusals, and the model preset's settings
-taken unless a flag is given."""
+"""The command line: JSON output, compare with its equality check, one-line refusals, the model preset's settings
+taken unless a flag is given, progress on stderr."""
 
+import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from core.cli import main
+from core.events import Finished, Loading, PlanChosen, PrefillProgress, PromptReady, Stats, Tokens
+from core.progress import Progress
 
 DOCS = Path(__file__).parent.parent / "assets" / "docs"
 
@@ -32,7 +36,7 @@ def test_generate_json(tmp_path, embedded):
     assert embedded.tokenizer.decode(out["token_ids"], skip_special_tokens=True) == out["text"]
     stats = out["stats"]
     assert (stats["settings"]["budget"], stats["settings"]["repetition_penalty"]) == (128, 1.2)  # flag, preset
-    assert r.stderr.strip() == "preset smollm2-135m: --repetition-penalty 1.2 (a flag overrides)"
+    assert "preset smollm2-135m: --repetition-penalty 1.2 (a flag overrides)" in r.stderr.splitlines()
     assert stats["dropped_tokens"] == 0 and stats["method"] == "auto"  # the default method
     assert {"level1_acceptance", "level2_acceptance", "tokens_per_s"} <= set(stats)
 
@@ -45,7 +49,7 @@ def test_a_flag_overrides_the_presets_setting_even_at_the_engines_default(tmp_pa
     out, err = capsys.readouterr()
     settings = json.loads(out)["stats"]["settings"]
     assert (settings["budget"], settings["repetition_penalty"], settings["max_new_tokens"]) == (512, 1.0, 4)
-    assert err.strip() == "preset smollm2-135m: --budget 512 (a flag overrides)"
+    assert "preset smollm2-135m: --budget 512 (a flag overrides)" in err.splitlines()
 
 
 def test_compare_reports_identity(tmp_path):
@@ -57,10 +61,60 @@ def test_compare_reports_identity(tmp_path):
 
 def test_refusals_are_one_line_and_nonzero(tmp_path):
     long_doc = str(DOCS / "pride_and_prejudice.txt")
-    r = cli("generate", "--doc", long_doc, "--prompt", "Summarise.", "--overflow", "refuse")
+    r = cli("generate", "--doc", long_doc, "--prompt", "Summarise.", "--overflow", "refuse", "--quiet")
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "tokens but only" in r.stderr
     r = cli("generate", "--doc", long_doc, "--prompt", "x", "--budget", "100")
     assert r.returncode == 2 and r.stderr.strip() == "error: budget (100) must be a multiple of chunk_size (8)"
     r = cli("generate", "--doc", str(tmp_path / "missing.txt"), "--prompt", "x")
     assert r.returncode == 2 and "missing.txt" in r.stderr
+
+
+def test_progress_goes_to_stderr_as_lines_off_a_terminal_and_quiet_silences_it(tmp_path):
+    # 7,900 answer tokens leave the document a few hundred: it is truncated; the first space ends the answer
+    args = ("generate", "--doc", short_doc(tmp_path), "--prompt", "Who is complained about?", "--max-new-tokens",
+            "7900", "--stop", " ", "--json")
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0] in ("loading the target model", "converting the GGUF into a checkpoint, once (about a minute on "
+                        "a 2-core CPU; later starts load in seconds)") and re.fullmatch(r"models ready in [\d.]+ s",
+                                                                                       lines[2])
+    dropped = json.loads(r.stdout)["stats"]["dropped_tokens"]
+    assert dropped > 0 and f"its middle {dropped:,} tokens were dropped" in r.stderr
+    prefill = [line for line in lines if line.startswith("prefill ")]
+    assert prefill and all(re.fullmatch(r"prefill [\d,]+ / [\d,]+ tokens \([\d.]+ s\)", line) for line in prefill)
+    assert "method auto from round 0: " in r.stderr and "\r" not in r.stderr  # lines, not a bar
+    r = cli(*args, "--quiet")
+    assert r.returncode == 0 and r.stderr == "" and json.loads(r.stdout)["stats"]["dropped_tokens"] == dropped
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_a_bar_that_vanishes_and_lines_above_it():
+    screen = Terminal()
+    progress = Progress(stream=screen)
+    progress.loading(Loading("ready", 1.0))
+    progress.run("auto").event(PromptReady(900, 2000, 1100, 1024, 100, 8, []))
+    for done in (256, 512, 899):
+        progress.event(PrefillProgress(done, 899, done / 100, 0))
+    progress.event(PlanChosen(0, "autoregressive", "measuring an autoregressive step", False, False, 0, 0))
+    for _ in range(3):
+        progress.event(Tokens([1, 2], ["a", "b"], ["target"] * 2, 0))
+    stats = Stats(method="auto", new_tokens=6, prompt_tokens=900, dropped_tokens=1100, prefill_s=9.0,
+                  prefill_reused=False, decode_s=1.0, tokens_per_s=6.0, time_to_first_token_s=9.1, target_forwards=6,
+                  tokens_per_target_forward=1.0)
+    progress.event(Finished("abab", [1] * 6, [], stats))
+    out = screen.getvalue()
+    assert "auto: prefill: " in out and "899/899" in out and "auto: decoding: " in out and "6/100" in out
+    assert "auto: warning: " not in out and "warning: the document is longer than the context (1,024 tokens): its " \
+        "middle 1,100 tokens were dropped" in out and "auto: method auto from round 0: autoregressive" in out
+    assert not progress.bars and "prefill 256 / 899" not in out  # bars closed; no plain prefill lines
+    quiet = Terminal()
+    Progress(stream=quiet, quiet=True).run("x").event(PrefillProgress(1, 2, 0.1, 0))
+    assert quiet.getvalue() == ""

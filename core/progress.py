@@ -1,0 +1,99 @@
+"""What a command-line run is doing, on stderr: loading (and a GGUF's one-time conversion), the prompt and what its
+truncation dropped, prefill, decoding, and the hierarchies method auto chooses. On a terminal prefill and decoding
+are bars (tqdm) that vanish when done; elsewhere (a log, a pipe) each is a plain line."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from tqdm import tqdm
+
+from core.events import Event, Finished, Loading, PlanChosen, PrefillProgress, PromptReady, Tokens
+from core.loading import needs_conversion
+
+
+class Progress:
+    """Fed Engine.load's progress (`loading`) and a generation's events (`event`); `quiet` prints nothing."""
+
+    def __init__(self, target: str | None = None, stream: TextIO | None = None, quiet: bool = False):
+        self.target, self.quiet = target, quiet
+        self.stream = stream or sys.stderr
+        self.terminal = self.stream.isatty()
+        self.started = time.monotonic()
+        self.label = ""  # the run's name in front of its lines (compare runs two)
+        self.bars: dict[str, tqdm] = {}
+        self.count_tokens, self.tokens, self.max_new_tokens = True, 0, 0
+
+    def say(self, line: str) -> None:
+        """One line, above any bar."""
+        if self.quiet:
+            return
+        if self.bars:
+            tqdm.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def loading(self, event: Loading) -> None:
+        """Engine.load's progress callback."""
+        if event.stage == "target":
+            self.started = time.monotonic()
+            converting = needs_conversion(self.target)
+            self.say("converting the GGUF into a checkpoint, once (about a minute on a 2-core CPU; later starts load "
+                     "in seconds)" if converting else "loading the target model")
+        elif event.stage == "draft":
+            self.say("loading the level-1 draft model")
+        else:
+            self.say(f"models ready in {time.monotonic() - self.started:.1f} s")
+
+    def run(self, label: str, count_tokens: bool = True) -> "Progress":
+        """Start a run's lines: `label` in front of them, a decoding bar on a terminal when `count_tokens` (off when
+        the answer itself streams to the same terminal)."""
+        self.label, self.count_tokens, self.tokens = label, count_tokens, 0
+        return self
+
+    def event(self, event: Event) -> None:
+        """Report one generation event (most say nothing)."""
+        prefix = f"{self.label}: " if self.label else ""
+        if isinstance(event, PromptReady):
+            self.max_new_tokens = event.max_new_tokens
+            self.say(f"{prefix}prompt of {event.prompt_tokens:,} tokens (context {event.context_length:,})")
+            if event.dropped_tokens:
+                self.say(f"warning: the document is longer than the context ({event.context_length:,} tokens): its "
+                         f"middle {event.dropped_tokens:,} tokens were dropped (beginning and end kept; "
+                         "--overflow refuse refuses instead)")
+        elif isinstance(event, PrefillProgress):
+            self._prefill(prefix, event)
+        elif isinstance(event, PlanChosen):
+            self.say(f"{prefix}method auto from round {event.round}: {event.plan} ({event.reason})")
+        elif isinstance(event, Tokens) and event.ids and self.count_tokens:
+            self.tokens += len(event.ids)
+            self._bar("decode", f"{prefix}decoding", self.max_new_tokens, self.tokens)
+        elif isinstance(event, Finished):
+            self._close()
+
+    def _prefill(self, prefix: str, event: PrefillProgress) -> None:
+        if event.reused:
+            self.say(f"{prefix}prefill: the previous run's cache already holds this prompt")
+        elif self.terminal:
+            self._bar("prefill", f"{prefix}prefill", event.total, event.done)
+        else:
+            self.say(f"{prefix}prefill {event.done:,} / {event.total:,} tokens ({event.seconds:.1f} s)")
+        if event.done >= event.total:
+            self._close()
+
+    def _bar(self, name: str, description: str, total: int | None, done: int) -> None:
+        """A bar on a terminal (none elsewhere: the lines say enough), moved to `done`."""
+        if self.quiet or not self.terminal:
+            return
+        if name not in self.bars:
+            self.bars[name] = tqdm(total=total, desc=description, unit="tok", leave=False, file=self.stream)
+        bar = self.bars[name]
+        bar.update(done - bar.n)
+
+    def _close(self) -> None:
+        for bar in self.bars.values():
+            bar.refresh()  # its last count (updates closer than tqdm's interval are not drawn), then it vanishes
+            bar.close()
+        self.bars.clear()
