@@ -202,20 +202,14 @@ def _verdict(state: RunState, ev: Verdict) -> None:
         state.rounds.append(RoundTrace(ev.round))
     trace = state.rounds[-1]
     if ev.level == 2:
-        counts.level1_proposed += proposed
-        counts.level1_accepted += accepted
+        counts.count(1, proposed, accepted)
         if accepted < proposed:
             offset = sum(kept + 1 for _, kept in trace.steps) + accepted
             trace.tried.append((offset, (1, 2), "".join(_texts(ev)[accepted:])))
         trace.steps.append((proposed, accepted))
         return
-    trace.drafter = 2 if state.level2_in_plan else 1
-    if trace.drafter == 2:
-        counts.level2_proposed += proposed
-        counts.level2_accepted += accepted
-    else:  # level 1 checked by level 3 directly
-        counts.level1_proposed += proposed
-        counts.level1_accepted += accepted
+    trace.drafter = 2 if state.level2_in_plan else 1  # else level 1's drafts, checked by level 3 directly
+    counts.count(trace.drafter, proposed, accepted)
     state.target_forwards += 1
     trace.proposed, trace.accepted, trace.bonus = proposed, accepted, ev.bonus
     trace.tried = _tried_in_order(trace.tried, accepted, trace.drafter, _texts(ev)[accepted:])
@@ -297,8 +291,7 @@ def estimate(state: RunState, now: float | None = None) -> Stats:
         tokens_per_s=n / decode_s if n and decode_s > 0 else 0.0,
         time_to_first_token_s=state.first_token_at - state.started if state.first_token_at else 0.0,
         target_forwards=forwards, tokens_per_target_forward=n / forwards if forwards else 0.0,
-        level1_proposed=counts.level1_proposed, level1_accepted=counts.level1_accepted,
-        level2_proposed=counts.level2_proposed, level2_accepted=counts.level2_accepted,
+        **asdict(counts),
         cache_bytes=state.cache_bytes, retrieval_cache_bytes=state.retrieval_cache_bytes,
         plans=[plan.plan for plan in state.plans])
 
@@ -310,8 +303,8 @@ def live_stats(state: RunState, now: float | None = None) -> dict:
     return {"method": s.method, "new_tokens": s.new_tokens, "tokens_per_s": s.tokens_per_s or None,
             "time_to_first_token_s": s.time_to_first_token_s or None, "prefill_s": s.prefill_s or None,
             "prefill_reused": s.prefill_reused, "decode_s": s.decode_s or None,
-            "level1_acceptance": s.level1_acceptance if s.level1_proposed else None,
-            "level2_acceptance": s.level2_acceptance if s.level2_proposed else None,
+            "level1_acceptance": s.level1_acceptance if s.level1_verified else None,
+            "level2_acceptance": s.level2_acceptance if s.level2_verified else None,
             "tokens_per_target_forward": s.tokens_per_target_forward or None,
             "budget_pct_of_prompt": budget_share(state.budget, s.prompt_tokens), "prompt_tokens": s.prompt_tokens,
             "dropped_tokens": s.dropped_tokens, "cache_bytes": s.cache_bytes or None,

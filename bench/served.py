@@ -1,5 +1,5 @@
 """The served app driven as a visitor drives it: `python app.py` in a process of its own, called over HTTP through
-gradio_client. Two parts:
+gradio_client. Its parts:
 
 gpu   what the Compare tab shows on a GPU: the first and the second greedy click on the same ~8K-token document,
       then a sampled click (T 0.6 / top-p 0.9); beside them the same generations through Engine.generate in this
@@ -19,12 +19,26 @@ slow  A slow upload beside a short run: while one client uploads a crafted PDF (
       limit), another client's 4-token TriForce runs on the embedded model go on; each must finish within 2x the
       median time of the same run alone.
       python -m bench.served slow [--runs 5] [--pdfs pages-2000 pages-900] [--max-wait 120]
+scale the app at a document's full length (summary.app_scale): the first and the second greedy Compare click and a
+      sampled one (speedups), a TriForce-tab run (its heatmap), the largest frame any of them streamed, the server's
+      RSS after the first and the tenth click, then the same sampled runs through Engine.generate once the app has
+      stopped (the app's tokens/s over the engine's, per method). Random weights are built as bench.common's random
+      models are (PyTorch's default initialisation, not transformers': that one's attention is near uniform, where
+      retrieval means nothing).
+      python -m bench.served scale --random llama31_8b --random-draft llama32_1b --tokenizer DIR \\
+          --doc-tokens 120000 --gpu-memory-gib 24            # on the GPU: summary.app_scale of its result file
+      python -m bench.served scale --doc-tokens 2000 --new-tokens 32   # the embedded model on the CPU
+planner method auto against autoregressive decoding through the served app's Compare, the embedded model on the CPU
+      at ~8K tokens (its whole context), greedy and sampled, after a warm-up click: the tokens/s ratios and the
+      plans with their reasons, merged into summary.planner of bench/results/planner-<date>.json.
+      python -m bench.served planner [--doc-tokens 7900] [--clicks 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import socket
@@ -38,9 +52,11 @@ from pathlib import Path
 
 import torch
 
-from app.presets import CUSTOM, EMBEDDED
-from bench.common import DOCS, SHAPES, GpuResults, environment, finish, save
+from app.callbacks import COMPARE_OUTPUTS
+from app.presets import CUSTOM, EMBEDDED, preset_by_name
+from bench.common import DOCS, SHAPES, GpuResults, environment, finish, merge_summary, save
 from core import Engine, GenerationConfig
+from core.loading import load_tokenizer
 
 ROOT = Path(__file__).parent.parent
 DOCUMENT = "pride_and_prejudice.txt"
@@ -90,24 +106,45 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def click(client, endpoint: str, document: str, preset: str, **settings) -> tuple[tuple, int]:
+    """One click of /compare or /triforce (settings not given keep the panel's defaults): its last outputs and the
+    bytes of the largest frame it streamed (every output of one update, as JSON: an upper bound of what the wire
+    carried, which may send a frame as its difference from the one before)."""
+    job = client.submit(document=document, instruction=QUESTION, preset_name=preset, **settings, api_name=endpoint)
+    list(job)
+    frames = job.outputs()
+    return frames[-1], max(len(json.dumps(frame, default=str, ensure_ascii=False).encode()) for frame in frames)
+
+
 def compare(client, document: str, preset: str, **settings) -> dict:
-    """One Compare click (settings not given keep the panel's defaults); returns its summary (speedup, both runs'
-    stats)."""
-    outputs = client.predict(document=document, instruction=QUESTION, preset_name=preset, **settings,
-                             api_name="/compare")
-    return outputs[7]
+    """One Compare click; returns its summary (speedup, both runs' stats, the method and its plans)."""
+    return click(client, "/compare", document, preset, **settings)[0][COMPARE_OUTPUTS.index("compare_json")]
 
 
-def random_model_dir(shape: str, tokenizer: str, out: Path) -> Path:
-    """A model directory with random bf16 weights at a named shape (its context cut to the embedded model's 8K) and
-    the tokenizer of the directory `tokenizer`."""
+def random_model_dir(shape: str, tokenizer: str, out: Path, context: int = 8192, torch_init: bool = False) -> Path:
+    """A model directory with random bf16 weights at a named shape (its context cut to `context`, by default the
+    embedded model's 8K) and the tokenizer of the directory `tokenizer`; `torch_init`: the weights drawn as
+    bench.common.random_model draws them (PyTorch's defaults), not by transformers' initialisation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(**{**SHAPES[shape], "max_position_embeddings": 8192})
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    config = LlamaConfig(**{**SHAPES[shape], "max_position_embeddings": context})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if torch_init:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    module.reset_parameters()
+    model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
     return out
+
+
+def engine_figures(target: str | None, draft: str | None, document: str, configs: dict[str, dict]) -> dict:
+    """engine_tok_s of each named config (GenerationConfig fields) through Engine.generate in this process (run once
+    the app has stopped: the two never hold a GPU's memory at once)."""
+    engine = Engine.load(target, draft)
+    return {name: engine_tok_s(engine, document, GenerationConfig(**cfg).validate()) for name, cfg in configs.items()}
 
 
 def engine_tok_s(engine: Engine, document: str, cfg: GenerationConfig) -> dict:
@@ -133,7 +170,7 @@ def gpu(args: argparse.Namespace) -> None:
     env = {"TRIFORCE_TARGET": target, **({"TRIFORCE_DRAFT": args.draft} if args.draft else {})}
     cuda = torch.cuda.is_available()
     results = GpuResults(args.out, ["app_gpu"]) if cuda else None
-    common = {"max_new_tokens": args.new_tokens, "overflow": "truncate", "seed": 0}
+    common = {"max_new_tokens": args.new_tokens, "overflow": "truncate", "seed": 0, "method": "triforce"}
     rows: dict = {"target": f"random bf16 weights at the {args.random} shape" if args.random else target,
                   "draft": args.draft, "new_tokens": args.new_tokens, "document": DOCUMENT}
 
@@ -146,9 +183,7 @@ def gpu(args: argparse.Namespace) -> None:
     started = time.monotonic()
     with serving(env, work / "app.log") as (client, pid):
         rows["app_start_s"] = time.monotonic() - started
-        engine = Engine.load(target, args.draft)  # this process's copy: the document cut, then the direct runs
-        ids = engine.tokenizer((DOCS / DOCUMENT).read_text(), add_special_tokens=False)["input_ids"]
-        document = engine.tokenizer.decode(ids[:args.doc_tokens])
+        document = cut(load_tokenizer(target), args.doc_tokens)  # no weights in this process beside the app's
         for name, overrides in (("first_click", {"greedy": True}), ("second_click", {"greedy": True}),
                                 ("sampled", SAMPLED)):
             t0 = time.monotonic()
@@ -157,9 +192,9 @@ def gpu(args: argparse.Namespace) -> None:
             print(name, rows[name], flush=True)
             record()
         rows["app_rss_mib"] = rss_mib(pid)
-    for method in ("ar", "triforce"):
-        cfg = GenerationConfig(method=method, max_new_tokens=args.new_tokens, **SAMPLED).validate()
-        rows[f"engine_sampled_{method}"] = engine_tok_s(engine, document, cfg)
+    rows |= engine_figures(target, args.draft, document, {
+        f"engine_sampled_{method}": {"method": method, "max_new_tokens": args.new_tokens, **SAMPLED}
+        for method in ("ar", "triforce")})
     sampled = rows["sampled"]
     for method, key in (("ar", "ar_tokens_per_s"), ("triforce", "triforce_tokens_per_s")):
         rows[f"app_over_engine_sampled_{method}"] = sampled[key] / rows[f"engine_sampled_{method}"]["tokens_per_s"]
@@ -298,6 +333,97 @@ def slow(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def cut(tokenizer, tokens: int) -> str:
+    """The first `tokens` tokens of the benchmark's document, as text."""
+    ids = tokenizer((DOCS / DOCUMENT).read_text(), add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(ids[:tokens])
+
+
+def scale(args: argparse.Namespace) -> None:
+    """summary.app_scale: Compare clicks and a TriForce run through the served app at the document's full length,
+    the largest frame, the RSS after the first and the tenth click, then the engine's own tokens/s."""
+    work = Path(tempfile.mkdtemp(prefix="scale-"))
+    context = args.doc_tokens + args.new_tokens + 1024
+    target = draft = None
+    if args.random:
+        target = str(random_model_dir(args.random, args.tokenizer, work / "target", context, torch_init=True))
+        draft = str(random_model_dir(args.random_draft, args.tokenizer, work / "draft", context, torch_init=True)) \
+            if args.random_draft else ""
+    elif args.target:
+        target, draft = args.target, args.draft
+    env = EMBEDDED_ON_CPU if target is None else {"TRIFORCE_TARGET": target, "TRIFORCE_DRAFT": draft or ""}
+    if args.gpu_memory_gib:
+        env = {**env, "TRIFORCE_GPU_MEMORY_GIB": str(args.gpu_memory_gib)}
+    preset = EMBEDDED if target is None else CUSTOM
+    document = cut(load_tokenizer(target), args.doc_tokens)  # only the tokenizer here while the app serves
+    common = {"max_new_tokens": args.new_tokens, "overflow": "truncate", "seed": 0, "method": args.method}
+    rows: dict = {"target": target or EMBEDDED, "draft": draft, "method": args.method, "doc_tokens": args.doc_tokens,
+                  "new_tokens": args.new_tokens}
+    frames, rss = [], []
+    started = time.monotonic()
+    with serving(env, work / "app.log") as (client, pid):
+        rows["app_start_s"] = time.monotonic() - started
+        clicks = [("first_click", "/compare", {"greedy": True}), ("second_click", "/compare", {"greedy": True}),
+                  ("sampled", "/compare", SAMPLED), ("triforce_tab", "/triforce", {"greedy": True})]
+        clicks += [(f"click_{n}", "/compare", SAMPLED if n % 2 else {"greedy": True}) for n in range(5, 11)]
+        for name, endpoint, overrides in clicks:
+            t0 = time.monotonic()
+            outputs, biggest = click(client, endpoint, document, preset, **common, **overrides)
+            frames.append(biggest)
+            rss.append(rss_mib(pid))
+            if endpoint == "/compare":
+                rows[name] = {**brief(outputs[COMPARE_OUTPUTS.index("compare_json")]), "max_frame_bytes": biggest,
+                              "wall_s": time.monotonic() - t0}
+            print(name, f"{time.monotonic() - t0:.0f} s, largest frame {biggest:,} bytes, RSS {rss[-1]:.0f} MiB",
+                  flush=True)
+    rows["rss_mib"], rows["load_average_during_app"] = rss, os.getloadavg()
+    chosen = dict(preset_by_name(EMBEDDED).settings) if target is None else {}  # what the app's panel started from
+    rows |= engine_figures(target, draft or None, document, {
+        f"engine_sampled_{method}": {**chosen, **common, **SAMPLED, "method": method} for method in ("ar", args.method)})
+    rows["load_average_after_engine"] = os.getloadavg()  # the machine's other work (a shared CPU skews the ratios)
+    sampled = rows["sampled"]
+    engine_speedup = rows[f"engine_sampled_{args.method}"]["tokens_per_s"] / rows["engine_sampled_ar"]["tokens_per_s"]
+    rows["summary"] = {
+        "first_click_speedup": rows["first_click"]["speedup"], "second_click_speedup": rows["second_click"]["speedup"],
+        "sampled_speedup": sampled["speedup"], "engine_sampled_speedup": engine_speedup,
+        "app_over_engine_ar": sampled["ar_tokens_per_s"] / rows["engine_sampled_ar"]["tokens_per_s"],
+        "app_over_engine_triforce": sampled["triforce_tokens_per_s"]
+        / rows[f"engine_sampled_{args.method}"]["tokens_per_s"],
+        "max_frame_bytes": max(frames), "rss_growth_after_10": rss[-1] / rss[0] - 1, "method": args.method}
+    print(rows["summary"], flush=True)
+    if torch.cuda.is_available():
+        results = GpuResults(args.out, ["app_scale"])
+        results.data["app_scale"], results.summary["app_scale"] = rows, rows["summary"]
+        results.save()
+        print(f"wrote {results.path}")
+    else:
+        print(save(args.name, {**environment(), **rows}))
+
+
+def planner(args: argparse.Namespace) -> None:
+    """Method auto against autoregressive decoding through the served app's Compare (embedded model, CPU, ~8K
+    tokens): tokens/s ratios greedy and sampled, and the plans auto chose with their reasons."""
+    work = Path(tempfile.mkdtemp(prefix="planner-"))
+    document = cut(load_tokenizer(None), args.doc_tokens)
+    common = {"max_new_tokens": args.new_tokens, "overflow": "truncate", "seed": 0, "method": "auto"}
+    runs: dict = {}
+    with serving(EMBEDDED_ON_CPU, work / "app.log") as (client, _):
+        compare(client, document, EMBEDDED, **common, greedy=True)  # the prefill, and the step costs measured
+        for n in range(args.clicks):
+            for sampling, overrides in (("greedy", {"greedy": True}), ("sampled", SAMPLED)):
+                summary = compare(client, document, EMBEDDED, **common, **overrides)
+                runs[f"{sampling} {n}"] = {**brief(summary), "plans": summary["triforce"]["plans"]}
+                print(sampling, n, f"auto / AR tokens/s {summary['speedup']:.3f}", summary["triforce"]["plans"],
+                      flush=True)
+    ratio = {s: [r["speedup"] for name, r in runs.items() if name.startswith(s)] for s in ("greedy", "sampled")}
+    figures = {"cpu_embedded_greedy": sum(ratio["greedy"]) / len(ratio["greedy"]),
+               "cpu_embedded_sampled": sum(ratio["sampled"]) / len(ratio["sampled"]),
+               "choices": {f"cpu embedded {name}": r["plans"] for name, r in runs.items()}}
+    print(save("served-planner-cpu", {**environment(), "document_tokens": args.doc_tokens, "runs": runs,
+                                      "ratios": ratio, "summary": figures}))
+    print(f"planner figures merged into {merge_summary('planner', 'planner', figures)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = parser.add_subparsers(dest="part", required=True)
@@ -319,8 +445,25 @@ def main() -> None:
     w.add_argument("--runs", type=int, default=5, help="runs alone (their median is the reference)")
     w.add_argument("--pdfs", nargs="+", choices=sorted(SLOW_PDFS), default=list(SLOW_PDFS))
     w.add_argument("--max-wait", type=float, default=120.0, help="seconds of runs beside one upload at most")
+    c = parts.add_parser("scale", help="summary.app_scale: the served app at a document's full length")
+    source = c.add_mutually_exclusive_group()
+    source.add_argument("--target", help="model directory or hub id the app serves (default: the embedded model)")
+    source.add_argument("--random", choices=sorted(SHAPES), help="random weights at this shape (with --tokenizer)")
+    c.add_argument("--random-draft", choices=sorted(SHAPES), help="with --random: a random level-1 draft at this shape")
+    c.add_argument("--tokenizer", help="tokenizer directory for --random")
+    c.add_argument("--draft", help="with --target: its level-1 draft")
+    c.add_argument("--method", choices=("auto", "triforce"), default="auto", help="the method beside AR")
+    c.add_argument("--doc-tokens", type=int, default=120_000)
+    c.add_argument("--new-tokens", type=int, default=128)
+    c.add_argument("--gpu-memory-gib", type=float, help="the app's GPU memory budget (TRIFORCE_GPU_MEMORY_GIB)")
+    c.add_argument("--out", help="GPU result file (default: the GPU's bench/results file)")
+    c.add_argument("--name", default="served-scale-cpu", help="result name off a GPU")
+    n = parts.add_parser("planner", help="method auto vs AR through the served app's Compare, embedded, CPU")
+    n.add_argument("--doc-tokens", type=int, default=7900)
+    n.add_argument("--new-tokens", type=int, default=128)
+    n.add_argument("--clicks", type=int, default=2, help="greedy and sampled clicks each, after the warm-up")
     args = parser.parse_args()
-    {"gpu": gpu, "soak": soak, "stop": stop, "slow": slow}[args.part](args)
+    {"gpu": gpu, "soak": soak, "stop": stop, "slow": slow, "scale": scale, "planner": planner}[args.part](args)
 
 
 if __name__ == "__main__":
