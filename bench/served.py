@@ -378,8 +378,8 @@ def scale(args: argparse.Namespace) -> None:
                   flush=True)
     rows["rss_mib"], rows["load_average_during_app"] = rss, os.getloadavg()
     chosen = dict(preset_by_name(EMBEDDED).settings) if target is None else {}  # what the app's panel started from
-    rows |= engine_figures(target, draft or None, document, {
-        f"engine_sampled_{method}": {**chosen, **common, **SAMPLED, "method": method} for method in ("ar", args.method)})
+    rows |= engine_figures(target, draft or None, document, {f"engine_sampled_{method}": {
+        **chosen, **common, **SAMPLED, "method": method} for method in ("ar", args.method)})
     rows["load_average_after_engine"] = os.getloadavg()  # the machine's other work (a shared CPU skews the ratios)
     sampled = rows["sampled"]
     engine_speedup = rows[f"engine_sampled_{args.method}"]["tokens_per_s"] / rows["engine_sampled_ar"]["tokens_per_s"]
@@ -418,7 +418,7 @@ def planner(args: argparse.Namespace) -> None:
     ratio = {s: [r["speedup"] for name, r in runs.items() if name.startswith(s)] for s in ("greedy", "sampled")}
     figures = {"cpu_embedded_greedy": sum(ratio["greedy"]) / len(ratio["greedy"]),
                "cpu_embedded_sampled": sum(ratio["sampled"]) / len(ratio["sampled"]),
-               "choices": {f"cpu embedded {name}": r["plans"] for name, r in runs.items()}}
+               "choices": {f"cpu embedded {name}": [p["plan"] for p in r["plans"]] for name, r in runs.items()}}
     print(save("served-planner-cpu", {**environment(), "document_tokens": args.doc_tokens, "runs": runs,
                                       "ratios": ratio, "summary": figures}))
     print(f"planner figures merged into {merge_summary('planner', 'planner', figures)}")
