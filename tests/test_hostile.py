@@ -261,7 +261,6 @@ APP_REFUSALS = [
     ({"document": {"path": "/etc/passwd"}}, "The document must be text, got dict"),
     ({"instruction": 123}, "The instruction must be text, got int '123'."),
     ({"heatmap_mode": 5}, "heatmap_mode must be one of"),
-    ({"show_rejected": "no"}, "show_rejected must be true or false, got 'no'."),
 ]
 
 
@@ -300,8 +299,7 @@ def test_app_document_line_explains_bad_text(client, browser_json) -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [({"document": 123}, "The document must be text, got int"),
-                                                ({"instruction": ["a"]}, "The instruction must be text, got list"),
-                                                ({"show_rejected": {"a": 1}}, "show_rejected must be true or false")])
+                                                ({"instruction": ["a"]}, "The instruction must be text, got list")])
 def test_app_compare_refuses_inputs_of_the_wrong_type_in_one_line(client, overrides: dict, message: str) -> None:
     from gradio_client.exceptions import AppError
 
