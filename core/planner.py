@@ -226,7 +226,11 @@ class Planner:
             parts.append(f"a level-2 step costs {c.level2 / c.level3[1]:.0%} of a full one")
         if c.level1 is not None and 1 in c.level3:
             parts.append(f"a level-1 token {c.level1 / c.level3[1]:.0%}")
-        parts.append(f"acceptance L1 {self.estimates.a1.rate:.2f}, L2 {self.estimates.a2.rate:.2f}")
+        e = self.estimates
+        if h.level1 and not h.level2:
+            parts.append(f"acceptance of level 1 at level 3 {(e.a13 or e.a1).rate:.2f}")
+        elif h.gamma2:
+            parts.append(f"acceptance L1 {e.a1.rate:.2f}, L2 {e.a2.rate:.2f}")
         return "; ".join(p for p in parts if p)
 
     def _set(self, h: Hierarchy, reason: str) -> Hierarchy:
