@@ -25,7 +25,7 @@ from core.model import ModelArgs
 from core.parallel import TensorParallel, capacity, check_split, joined, launch
 from core.presets import PRESETS, Preset, by_id, installable, preset_config, resolve_preset
 from core.progress import Progress
-from core.prompting import MAX_DOCUMENT_CHARS
+from core.prompting import MAX_DOCUMENT_CHARS, check_text
 
 COLOURS = {"draft": "\033[32m", "copy": "\033[36m", "level2": "\033[33m", "level3": "\033[35m", "target": ""}
 RESET = "\033[0m"
@@ -205,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
     """The command, in this process (one rank of a tensor-parallel group when `tp`)."""
     document = read_document(args.doc)
-    preset = resolve_preset(args.target, args.draft)[0]  # known before loading: bad flags are refused at once
+    check_text("document", document)  # bad input is refused in one line, before any progress line or model load
+    check_text("question", args.prompt)
+    preset, target, draft = resolve_preset(args.target, args.draft)  # known before loading: bad flags refused at once
+    for source in [target] + ([draft] if draft not in (None, "", "none") else []):
+        load_config(source)  # a corrupt file or a model needing its own code: refused before loading begins
     typed = typed_settings(args)
     applied = None if tp and tp.rank else preset_note(preset, typed)
     # compare: autoregressive decoding against the method asked for (auto unless triforce)

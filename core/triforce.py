@@ -17,6 +17,7 @@ from core.events import Acceptance, DraftProposal, Event, Footprint, PlanChosen,
 from core.kvcache import KVCache
 from core.levels import Level
 from core.output import Output
+from core.parallel import agree
 from core.planner import Costs, Estimates, Hierarchy, Planner
 from core.repetition import Repetition
 from core.retrieval import Retrieval
@@ -72,6 +73,9 @@ class TriForce:
         feature = None  # the target's hidden state that produced seq's last token (none for the prompt's)
         while not self.out.done:
             h = self.planner.choose() if self.planner else self.fixed
+            if self.planner:  # timings differ between tensor-parallel ranks: all follow rank 0's choice
+                level1, level2, gamma1, gamma2 = agree(h.level1, h.level2, h.gamma1, h.gamma2)
+                h = Hierarchy(bool(level1), bool(level2), gamma1, gamma2)
             if self.planner and (not self.plans or self.plans[-1] != h.name):
                 self.plans.append(h.name)
                 yield PlanChosen(round_, h.name, self.planner.reason, h.level1, h.level2, h.gamma1, h.gamma2)

@@ -82,6 +82,9 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
         # the settings a visitor changes sit above the tabs, beside the model and the method; no label wraps
         page.get_by_label("Max new tokens").fill("32")
         page.get_by_label("Greedy", exact=True).check()
+        # the run's hierarchy fixed (method auto's choices follow measured timings: on a busy CPU it may decode
+        # autoregressively throughout, leaving no drafts to show); Compare below runs auto
+        page.locator("#set-method").get_by_text("triforce", exact=True).click()
         page.wait_for_function("() => document.querySelector('#doc-info').innerText.includes('32 answer tokens')",
                                timeout=60_000)
         page.locator("#settings").get_by_text("More settings", exact=True).first.click()
@@ -110,8 +113,7 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
         page.wait_for_selector("#heatmap .hm image", state="attached", timeout=30_000)
         assert "Per layer: the answer's one selection" in page.text_content("#heatmap")
         assert "kept by" in text(page, "#doc-view") and "im_start" not in text(page, "#doc-view")
-        assert page.locator("#timeline .tl-round").count() >= 1 and "tl-plan" in page.inner_html("#timeline")
-        assert "Method auto" in text(page, "#status")
+        assert page.locator("#timeline .tl-round").count() >= 1
         # one budget share of one prompt count on the screen: the document line's and the stats table's
         share = re.search(r"budget 512 tokens = ([\d.]+) % of the ([\d,]+)-token prompt", text(page, "#doc-info"))
         assert share and f"| budget / prompt | {share[1]} % |" in "| " + " | ".join(
@@ -144,6 +146,7 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
                                timeout=240_000)
 
         page.get_by_role("tab", name="Compare").click()
+        page.locator("#set-method").get_by_text("auto", exact=True).click()
         page.get_by_label("Max new tokens").fill("16")
         page.click("#compare-run")
         page.wait_for_function("() => document.querySelector('#verdict').innerText.includes('Token-identical')",
