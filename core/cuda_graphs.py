@@ -1,6 +1,7 @@
 """CUDA graphs of fixed-shape decode steps: captured once per (cache, tokens fed, rows returned, rows recorded) and
 replayed with the token ids copied into a static buffer. The cache's lengths live in device memory (KVCache.meta),
-so one graph stays valid while the cache grows and rolls back."""
+so one graph stays valid while the cache grows and rolls back; an offloaded cache's graphs also depend on the blocks
+its step copies (KVCache.layout), and those of blocks it has left are dropped."""
 
 from __future__ import annotations
 
@@ -30,14 +31,15 @@ class Graphs:
     are on."""
 
     def __init__(self):
-        self.by_cache: weakref.WeakKeyDictionary[KVCache, dict] = weakref.WeakKeyDictionary()
+        # per cache: the layout its graphs were captured for, and the graphs by shape
+        self.by_cache: weakref.WeakKeyDictionary[KVCache, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
         self.capture_s = 0.0  # wall time spent capturing (and compiling kernels for) new graphs so far
 
     @staticmethod
     def applies(model: Transformer, cache: KVCache, n: int) -> bool:
-        """Whether a step of n tokens on this cache can run as a graph: device-side lengths, a cache resident on the
-        device (an offloaded one's copies are scheduled from the host), no host-dependent RoPE."""
-        return model.ops.device_steps and cache.on_cuda and cache.resident and n <= DECODE_TOKENS and \
+        """Whether a step of n tokens on this cache can run as a graph: device-side lengths, a decode step, a cache
+        whose steps are worth it (KVCache.replays), no host-dependent RoPE."""
+        return model.ops.device_steps and cache.on_cuda and n <= DECODE_TOKENS and cache.replays() and \
             model.rotary.rope_type != "dynamic"
 
     def step(self, model: Transformer, cache: KVCache, ids: list[int], n_rows: int, record: int, ops: TorchOps
@@ -45,7 +47,10 @@ class Graphs:
         """model.step(ids, cache, n_rows, record, ops=ops) replayed from a graph (captured on first use of this
         shape: a cache serves one level, so always with the same operators)."""
         cache.begin(len(ids))
-        graphs = self.by_cache.setdefault(cache, {})
+        layout, graphs = self.by_cache.get(cache, ((), {}))
+        if layout != cache.layout():
+            layout, graphs = cache.layout(), {}
+        self.by_cache[cache] = layout, graphs
         key = (len(ids), n_rows, record)
         g = graphs.get(key)
         if g is None:

@@ -90,6 +90,15 @@ class KVCache:
             return self.meta[0] + self.steps[:self._n]
         return torch.arange(self._first_position(), self._first_position() + self._n, device=self.device)
 
+    def replays(self) -> bool:
+        """Whether its decode steps are worth replaying from CUDA graphs (always, for a resident cache)."""
+        return True
+
+    def layout(self) -> tuple[int, ...]:
+        """What a CUDA graph of the step begun last depends on besides its shape: nothing here (the lengths are read
+        from device memory); an offloaded cache's copied blocks."""
+        return ()
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's key and value buffers [Hkv, capacity, D]."""
         return self.k[i], self.v[i]

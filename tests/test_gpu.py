@@ -18,6 +18,7 @@ from core.cuda_graphs import Graphs
 from core.kvcache import KVCache
 from core.levels import Level
 from core.model import Transformer
+from core.offload import OffloadedKVCache
 from core.ops import DECODE_TOKENS, TORCH, TorchOps, TritonOps, ops_for, rotate
 from core.retrieval import ChunkIndex, gather_selection, retrieval_cache, select_chunks
 
@@ -196,12 +197,14 @@ def selection_measures(ops: TritonOps) -> dict:
             "selection_bf16_means_overlap": same / ids.numel()}
 
 
-def greedy(model: Transformer, ops: TorchOps, graphs: Graphs | None, prompt: list[int], steps: int = 24) -> dict:
+def greedy(model: Transformer, ops: TorchOps, graphs: Graphs | None, prompt: list[int], steps: int = 24,
+           cache: type[KVCache] = KVCache) -> dict:
     """Greedy decoding of `steps` tokens after prefilling prompt[:-1], then a 7-token verification (rolled back)
-    recording its queries, through `ops`, from CUDA graphs when `graphs` is given."""
+    recording its queries, through `ops`, from CUDA graphs when `graphs` is given, on a `cache` of that class."""
     model.ops = ops
     a = model.args
-    level = Level(model, KVCache(a.n_layers, a.n_kv_heads, a.head_dim, len(prompt) + 200, BF16, DEV), [], graphs)
+    level = Level(model, cache(a.n_layers, a.n_kv_heads, a.head_dim, len(prompt) + steps + 200, BF16, DEV), [],
+                  graphs)
     seq, logits = list(prompt), []
     with torch.inference_mode():
         list(level.prefill(seq[:-1], 1024))
@@ -212,7 +215,7 @@ def greedy(model: Transformer, ops: TorchOps, graphs: Graphs | None, prompt: lis
         verify = model.head(level.states(seq, 7, len(seq) - 7, record=7))
         queries = torch.stack(level.queries)  # [layers, Hkv, 7, D]
     model.ops = None
-    captured = sum(len(shapes) for shapes in graphs.by_cache.values()) if graphs else 0
+    captured = sum(len(shapes) for _, shapes in graphs.by_cache.values()) if graphs else 0
     return {"tokens": seq[len(prompt):], "logits": torch.stack(logits), "verify": verify, "queries": queries,
             "graphs": captured}
 
@@ -238,6 +241,21 @@ def graph_decode(ops: TritonOps) -> dict:
             "graph_vs_triton_eager_verify_rel": rel(graph["verify"], kernels["verify"])}
 
 
+def offloaded_graph_decode(ops: TritonOps) -> dict:
+    """The same model decoding 300 tokens (across two of the offloaded cache's copied blocks) from CUDA graphs on a
+    resident cache and on an offloaded one: bitwise the same logits, verification and queries?"""
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = Transformer(LlamaConfig(**GRAPH_MODEL)).to(BF16).eval()
+    model.fuse_projections()
+    prompt = torch.randint(0, 32000, (3000,)).tolist()
+    resident = greedy(model, ops, Graphs(), prompt, 300)
+    offloaded = greedy(model, ops, Graphs(), prompt, 300, OffloadedKVCache)
+    return {"offloaded_graph_equal": all(torch.equal(resident[k], offloaded[k]) for k in ("logits", "verify",
+                                                                                        "queries")),
+            "offloaded_graphs_count": offloaded["graphs"]}
+
+
 def measured() -> dict:
     """Every measurement above under the keys of the GPU result file's "check" (python -m bench.gpu --parts check)."""
     ops = triton_ops()
@@ -251,6 +269,7 @@ def measured() -> dict:
         out[gemv_key(case)], out[gemv_key(case) + "_vs_torch"] = errors["float64"], errors["vs_torch"]
     out.update(selection_measures(ops))
     out.update(graph_decode(ops))
+    out.update(offloaded_graph_decode(ops))
     return out
 
 
@@ -315,6 +334,11 @@ def test_graph_replayed_decoding_matches_eager(triton):
     assert m["graphs_count"] >= 2, "no decode step ran from a CUDA graph"
     assert m["graph_tokens_equal"] and m["graph_vs_triton_eager_tokens_equal"]
     assert_small({k: v for k, v in m.items() if k.endswith("_rel")})
+
+
+def test_an_offloaded_cache_replays_its_steps_from_graphs_exactly_as_a_resident_one(triton):
+    m = offloaded_graph_decode(triton)
+    assert m["offloaded_graphs_count"] >= 2 and m["offloaded_graph_equal"]
 
 
 # --- batch invariance: row i of a k-token step is bitwise the one-token step at its position -------------------------

@@ -11,6 +11,7 @@ from core.engine import Engine
 from core.events import Finished, PromptReady
 from core.kvcache import KVCache
 from core.levels import Level
+from core import offload
 from core.offload import OffloadedKVCache
 from core.memory import GiB, Memory
 from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
@@ -42,6 +43,42 @@ def test_streamed_cache_computes_what_the_resident_one_does():
         results.append((first, rolled, index.mean_keys, into.k[:, :, :into.head], into.v[:, :, :into.head]))
     for resident, streamed in zip(*results):
         assert torch.equal(resident, streamed)
+
+
+def test_the_host_copy_stays_the_resident_cache_while_steps_send_whole_blocks_back(monkeypatch):
+    """With 16-row blocks: a prefill, 40 decode steps across blocks, a rollback and a verification leave the host
+    storage equal to a resident cache's, and each step says which blocks it copied (what its CUDA graph bakes in)."""
+    monkeypatch.setattr(offload, "BLOCK", 16)
+    _, model = tiny_pair(tiny_config(layers=2))
+    model = model.to(DEVICE)
+    a = model.args
+    caches, layouts = [], set()
+    for cls in (KVCache, OffloadedKVCache):
+        full = cls(a.n_layers, a.n_kv_heads, a.head_dim, 260, torch.float32, DEVICE)
+        level, seq = Level(model, full, []), list(PROMPT)
+        with torch.no_grad():
+            list(level.prefill(seq[:-1], 32))
+            for _ in range(40):
+                seq.append(int(level.logits(seq, 1, len(seq) - 1)[0].argmax()))
+                if cls is OffloadedKVCache:
+                    layouts.add(full.layout())
+            level.logits(seq[:-5] + [1, 2, 3, 4, 5, 6, 7], 7, len(seq) - 5)
+        caches.append(full)
+    resident, streamed = caches
+    assert streamed.seq_len == resident.seq_len
+    for want, got in zip(resident.read(0, resident.seq_len), streamed.read(0, resident.seq_len)):
+        assert torch.equal(want.cpu(), got.cpu())
+    assert len(layouts) >= 3 and all(lo % 16 == 0 and hi - lo in (16, 32) for lo, hi in layouts)
+
+
+def test_an_offloaded_cache_replays_its_steps_only_while_a_pass_over_it_is_short(monkeypatch):
+    """Graphs save the host's launch time, which long passes hide: past GRAPH_BYTES a pass steps eagerly."""
+    cache = OffloadedKVCache(2, 2, 8, 100, torch.float32, "cpu")  # 2 layers x 2 x 2 heads x 8 x 4 B: 256 B a token
+    cache.used = 50
+    monkeypatch.setattr(offload, "GRAPH_BYTES", 50 * 256)
+    assert cache.replays() and KVCache(2, 2, 8, 100, torch.float32, "cpu").replays()
+    cache.used = 51
+    assert not cache.replays()
 
 
 def tiny_offload_engine() -> Engine:
