@@ -115,8 +115,11 @@ LLAMA_68M = _shape(32000, 768, 3072, 2, 12, 12, {"rope_type": "default", "rope_t
 LLAMA31_8B = _shape(128256, 4096, 14336, 32, 32, 8, {**LLAMA3_ROPE, "factor": 8.0}, False, rms_norm_eps=1e-5)
 LLAMA32_1B = _shape(128256, 2048, 8192, 16, 32, 8, {**LLAMA3_ROPE, "factor": 32.0}, True, head_dim=64,
                     rms_norm_eps=1e-5)
+QWEN25_15B = _shape(151936, 1536, 8960, 28, 12, 2, {"rope_type": "default", "rope_theta": 1000000.0}, True,
+                    rms_norm_eps=1e-6)  # Qwen2.5-1.5B (without its q/k/v biases: they do not change the timing)
 TINY_49K = _shape(49152, 64, 256, 2, 4, 2, {"rope_type": "default", "rope_theta": 100000.0}, True)  # CPU proxies
-SHAPES = {"llama2_7b": LLAMA2_7B, "llama31_8b": LLAMA31_8B, "llama32_1b": LLAMA32_1B, "smollm2_135m": SMOLLM2_135M,
+SHAPES = {"llama2_7b": LLAMA2_7B, "qwen25_15b": QWEN25_15B, "llama31_8b": LLAMA31_8B, "llama32_1b": LLAMA32_1B,
+          "smollm2_135m": SMOLLM2_135M,
           "llama_68m": LLAMA_68M, "tiny_49k": TINY_49K}
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -1,7 +1,8 @@
 """GPU profile: where a decode step's time goes. Per-kernel device time of one AR step and one level-2 step (budget
 4096) of a model with random weights, launched eagerly and replayed from a CUDA graph, beside the step's wall time:
 `profile` at the --shape (Llama-2-7B) and the longest --contexts, `profile_small` at the SmolLM2-135M shape and the
-longest --real-contexts.
+longest --real-contexts; `profile_offload`: an offloaded AR step at the Qwen2.5-1.5B shape at each --real-contexts,
+its host time beside its copies.
 
 python -m bench.gpu_profile [--parts profile profile_small] [--contexts 122880] [--real-contexts 131072]
 TRIFORCE_GEMV=0 swaps the Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>-<date>.json (or --out).
@@ -12,13 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 
-from bench.common import (SHAPES, SMOLLM2_135M, GpuResults, ar_step_ms, fill_random, free, full_cache, gpu_main,
-                          random_model, random_retrieval, shape_key)
+from bench.common import (DEV, SHAPES, SMOLLM2_135M, GpuResults, ar_step_ms, fill_random, free, full_cache, gpu_main,
+                          random_model, random_retrieval, shape_key, sync_ms)
 from core.cuda_graphs import Graphs
 from core.levels import Level
+from core.offload import OffloadedKVCache
 
 
 def profile(ctx: int, shape: dict) -> dict:
@@ -64,7 +67,61 @@ def profile_small_part(args: argparse.Namespace, results: GpuResults) -> None:
     results.data["profile_smollm2_shape"] = profile(args.real_contexts[-1], SMOLLM2_135M)
 
 
-PARTS = {"profile": profile_part, "profile_small": profile_small_part}
+def profile_offload(ctx: int, shape: dict, new_tokens: int = 20) -> dict:
+    """An eager offloaded AR step at a small real shape, taken apart: its first and steady wall time (2 and 4 staging
+    buffers), the same copies alone, the resident step eager and from a CUDA graph, and the host (CPU) time the
+    step's operators take, which the copies cannot hide when it exceeds them (why such steps replay from graphs)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    model = random_model(shape)
+    a = model.args
+    prompt = [100 + i % 30000 for i in range(ctx)]
+    out: dict = {"context": ctx}
+    with torch.inference_mode():
+        for buffers in (2, 4):
+            full = OffloadedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, ctx + 64, model.dtype, DEV, buffers)
+            full.k.normal_(), full.v.normal_()
+            full.used = ctx
+            level = Level(model, full, prompt)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            level.logits(prompt, 1, len(prompt), extra=[7])
+            torch.cuda.synchronize()
+            first = (time.perf_counter() - t0) * 1e3
+            out[f"offload_b{buffers}"] = {"first_step_ms": first, "step_ms": ar_step_ms(level, prompt, new_tokens)}
+            if buffers == 2:
+                out["copies_only_ms"] = sync_ms(lambda: [None for _ in full.stream_layers(ctx)], 5)
+                out["kv_gb"] = full.k[:, :, :ctx].nbytes * 2 / 1e9
+                with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        level.logits(prompt, 1, len(prompt), extra=[7])
+                    torch.cuda.synchronize()
+                rows = [{"op": e.key[:90], "cpu_us_per_step": e.self_cpu_time_total / 3, "per_step": e.count / 3,
+                         "device_us_per_step": getattr(e, "self_device_time_total", 0) / 3}
+                        for e in prof.key_averages()]
+                rows.sort(key=lambda r: -r["cpu_us_per_step"])
+                out["host_ms_per_step"] = sum(r["cpu_us_per_step"] for r in rows) / 1e3
+                out["top_host"] = rows[:16]
+                rows.sort(key=lambda r: -r["device_us_per_step"])
+                out["top_device"] = rows[:8]
+            print(json.dumps(out, indent=0)[:4000], flush=True)
+            del level, full
+            free()
+        resident = full_cache(model, ctx + 64)
+        fill_random(resident, ctx)
+        for mode, graphs in (("eager", None), ("graph", Graphs())):
+            out[f"resident_{mode}_ms"] = ar_step_ms(Level(model, resident, prompt, graphs), prompt, new_tokens)
+    print({k: v for k, v in out.items() if not k.startswith("top")}, flush=True)
+    del resident, model
+    free()
+    return out
+
+
+def profile_offload_part(args: argparse.Namespace, results: GpuResults) -> None:
+    results.data["profile_offload_qwen25_15b"] = [profile_offload(c, SHAPES["qwen25_15b"]) for c in args.real_contexts]
+
+
+PARTS = {"profile": profile_part, "profile_small": profile_small_part, "profile_offload": profile_offload_part}
 
 if __name__ == "__main__":
     gpu_main(__doc__, [sys.modules[__name__]])
