@@ -9,7 +9,8 @@ full cache's attention (level-3 queries; mean over layers, query heads and posit
 all positions is one masked forward per variant and budget, the same logits as gathering the chunks into a retrieval
 cache (checked: the `all` row keeps every token and must accept everything).
 
-python -m bench.retrieval_quality [--target MODEL (default: the qwen2.5-coder-0.5b preset)] [--documents code prose needle] [--context 8192]
+python -m bench.retrieval_quality [--target MODEL (default: the qwen2.5-coder-0.5b preset)]
+    [--documents code prose needle] [--context 8192]
     [--budgets 512 1024 2048 4096] [--budget-ratio 0.1365] [--variants sum mass+w4@4 ...] [--new-tokens 48]
     [--seeds 1] [--device cuda --dtype bfloat16] [--threads 1] [--cache-dir DIR] [--name NAME]
 
