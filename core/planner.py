@@ -187,13 +187,16 @@ def best(options: list[Hierarchy], e: Estimates) -> tuple[Hierarchy, float] | No
 @dataclass
 class Planner:
     """One run's hierarchy, round by round. While costs are unmeasured it measures: a round of the fullest
-    hierarchy, then an autoregressive one. Then every MIN_ROUNDS rounds it weighs the candidates again and switches
-    when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times."""
+    hierarchy, then an autoregressive one (unless the full cache is `streamed` from host memory: a full step then
+    costs what its copies do however few tokens it verifies, so the verification measured stands for an AR step,
+    which would cost a whole pass over the cache for one token). Then every MIN_ROUNDS rounds it weighs the
+    candidates again and switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times."""
 
     estimates: Estimates
     level1: bool
     gamma1_max: int
     gamma2_max: int
+    streamed: bool = False
     current: Hierarchy | None = None
     rounds: int = 0  # in the current plan
     switches: int = 0
@@ -205,7 +208,7 @@ class Planner:
         fullest = Hierarchy(self.level1, True, self.gamma1_max if self.level1 else 0, min(6, self.gamma2_max))
         if c.level2 is None or (self.level1 and c.level1 is None) or not set(c.level3) - {1}:
             return self._set(fullest, "measuring what each level costs")
-        if 1 not in c.level3:
+        if 1 not in c.level3 and not self.streamed:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
         fresh = self.current is None or self.reason.startswith("measuring")
         due = self.rounds >= MIN_ROUNDS and self.rounds % MIN_ROUNDS == 0 and self.switches < MAX_SWITCHES
@@ -222,10 +225,11 @@ class Planner:
         c = self.estimates.costs
         ar = rate(AUTOREGRESSIVE, self.estimates)
         parts = [f"expected {r / ar:.2f}× autoregressive" if ar else ""]
-        if c.level2 is not None and 1 in c.level3:
-            parts.append(f"a level-2 step costs {c.level2 / c.level3[1]:.0%} of a full one")
-        if c.level1 is not None and 1 in c.level3:
-            parts.append(f"a level-1 token {c.level1 / c.level3[1]:.0%}")
+        full = c.verify(1)
+        if c.level2 is not None and full:
+            parts.append(f"a level-2 step costs {c.level2 / full:.0%} of a full one")
+        if c.level1 is not None and full:
+            parts.append(f"a level-1 token {c.level1 / full:.0%}")
         e = self.estimates
         if h.level1 and not h.level2:
             parts.append(f"acceptance of level 1 at level 3 {(e.a13 or e.a1).rate:.2f}")

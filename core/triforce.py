@@ -54,7 +54,8 @@ class TriForce:
         self.target, self.prompt, self.queries, self.drafter = target, prompt, queries, drafter
         self.cfg, self.generator, self.out = cfg, generator, out
         level1 = drafter.name != "none"
-        self.planner = Planner(estimates, level1, cfg.gamma1, cfg.gamma2) if estimates else None
+        self.planner = Planner(estimates, level1, cfg.gamma1, cfg.gamma2, streamed=not target.cache.resident) \
+            if estimates else None
         model = target.model
         self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs, drafting=True)

@@ -8,7 +8,7 @@ import torch
 
 from core.config import GenerationConfig, TriForceError
 from core.engine import Engine
-from core.events import Finished, PromptReady
+from core.events import Finished, PlanChosen, PromptReady
 from core.kvcache import KVCache
 from core.levels import Level
 from core import offload
@@ -117,6 +117,20 @@ def test_greedy_offloaded_triforce_equals_on_chip_and_ar(engine, reselect):
     kv_token = 2 * engine.target.args.n_layers * engine.target.args.n_kv_heads * engine.target.args.head_dim * 4
     assert offloaded.stats.host_link_bytes >= offloaded.stats.target_forwards * len(PROMPT) * kv_token
     assert on_chip.stats.host_link_bytes == 0
+
+
+def test_offloaded_auto_equals_ar_without_spending_a_pass_on_an_autoregressive_step():
+    """With the full cache streamed, method auto (on an engine that has measured nothing yet) takes its first
+    verification's cost for an AR step's."""
+    engine = tiny_offload_engine()
+    base = dict(greedy=True, max_new_tokens=40, budget=32, chunk_size=4, offload="on")
+    cfg = GenerationConfig(method="auto", **base).validate()
+    with torch.no_grad():
+        events = list(engine.generate_ids(PROMPT, cfg))
+    plans = [e for e in events if isinstance(e, PlanChosen)]
+    assert plans[0].reason == "measuring what each level costs"
+    assert not any("measuring an autoregressive step" in e.reason for e in plans)
+    assert [e for e in events if isinstance(e, Finished)][0].token_ids == finish(engine, method="ar", **base).token_ids
 
 
 def test_offloaded_runs_default_to_the_papers_budget_and_gamma2(engine):

@@ -75,6 +75,16 @@ def test_the_planner_measures_first_then_switches_only_for_a_clear_gain():
         assert p.choose() == chosen
 
 
+def test_with_the_full_cache_streamed_the_planner_takes_the_verification_for_an_autoregressive_step():
+    """Offloaded, an AR step would cost a whole pass over the cache for one token: it is not measured."""
+    p = Planner(Estimates(), level1=True, gamma1_max=2, gamma2_max=15, streamed=True)
+    first = p.choose()
+    p.observe(2, 2.0, 2, 200.0, first.gamma2 + 1, 1000.0, 0.5)  # a pass over the cache: 1 s, whatever it verifies
+    chosen = p.choose()
+    assert chosen != AUTOREGRESSIVE and chosen.level2 and 1 not in p.estimates.costs.level3
+    assert "a level-2 step costs 10% of a full one" in p.reason  # 100 ms beside the measured pass
+
+
 class Cycling(Planner):
     """Every round a different hierarchy, whatever was measured: switching is exact or nothing is."""
 
