@@ -1,7 +1,7 @@
 """CUDA graphs of fixed-shape decode steps: captured once per (cache, tokens fed, rows returned, rows recorded) and
 replayed with the token ids copied into a static buffer. The cache's lengths live in device memory (KVCache.meta),
 so one graph stays valid while the cache grows and rolls back; an offloaded cache's graphs also depend on the blocks
-its step copies (KVCache.layout), and those of blocks it has left are dropped."""
+its step copies (KVCache.layout), and only those of its two latest layouts are kept."""
 
 from __future__ import annotations
 
@@ -26,13 +26,16 @@ class Graph:
     queries: list[torch.Tensor]
 
 
+KEPT_LAYOUTS = 2  # per cache
+
+
 class Graphs:
     """The graphs captured on each cache (kept while the cache lives): an engine holds one of these when CUDA graphs
     are on."""
 
     def __init__(self):
-        # per cache: the layout its graphs were captured for, and the graphs by shape
-        self.by_cache: weakref.WeakKeyDictionary[KVCache, tuple[tuple, dict]] = weakref.WeakKeyDictionary()
+        # per cache, its graphs by layout (the latest last) and by shape
+        self.by_cache: weakref.WeakKeyDictionary[KVCache, dict[tuple, dict]] = weakref.WeakKeyDictionary()
         self.capture_s = 0.0  # wall time spent capturing (and compiling kernels for) new graphs so far
 
     @staticmethod
@@ -47,10 +50,10 @@ class Graphs:
         """model.step(ids, cache, n_rows, record, ops=ops) replayed from a graph (captured on first use of this
         shape: a cache serves one level, so always with the same operators)."""
         cache.begin(len(ids))
-        layout, graphs = self.by_cache.get(cache, ((), {}))
-        if layout != cache.layout():
-            layout, graphs = cache.layout(), {}
-        self.by_cache[cache] = layout, graphs
+        layouts = self.by_cache.setdefault(cache, {})
+        graphs = layouts[cache.layout()] = layouts.pop(cache.layout(), {})
+        while len(layouts) > KEPT_LAYOUTS:  # a rollback can step back one block: keep the one before too
+            del layouts[next(iter(layouts))]
         key = (len(ids), n_rows, record)
         g = graphs.get(key)
         if g is None:
@@ -70,6 +73,7 @@ def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int,
     """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture one step; the cache's host
     bookkeeping is put back after each (the caller's replay is the step that counts)."""
     before = cache.seq_len
+    cache.begin(int(ids.shape[0]))  # the warm-up is a step of its own (an offloaded cache counts its copies)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -6,10 +6,11 @@ keys/values go back to the host as each layer finishes. The same code runs with 
 plain and synchronous), which is how the tests exercise it.
 
 A decode step replays from a CUDA graph like a resident one while a pass over the cache is short (an eager step of
-a small model spends more time launching kernels than its copies take; long passes hide the launches). A graph bakes in the sizes and addresses of its copies, so a step copies
-whole blocks of BLOCK rows: layer i's rows [0, hi) in, and the block rows [lo, hi) holding the new tokens back out
-(the rows there besides the new ones go back unchanged). A graph then serves every step whose new tokens fall in
-the same blocks: one capture per BLOCK tokens generated, a few hundred rows more over the link per step.
+a small model spends more time launching kernels than its copies take; long passes hide the launches). A graph bakes
+in the sizes and addresses of its copies, so a step copies a window fixed by the block of BLOCK rows its first new
+token falls in: rows up to two blocks from that block's start in, those two blocks back out (the rows there besides
+the new ones go back unchanged; at most 16 new tokens always fit). A graph then serves every step starting in the
+same block: one capture per shape per BLOCK tokens generated, a few hundred rows more over the link per step.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class OffloadedKVCache(KVCache):
         self.free = [torch.cuda.Event() if self.on_cuda else None for _ in self.staging]
         self.moved = 0  # bytes copied between host and device so far (the host link's load)
         self._rows = 0  # rows staged per layer in the current pass
-        self._back = (0, 0)  # the rows [lo, hi) the current step sends back per layer
+        self._back = (0, 0)  # the rows [lo, hi) the current step copies back per layer (it copies [0, hi) in)
 
     def _buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         pin = self.device.type == "cuda"  # page-locked: copies run at the link's speed and asynchronously
@@ -93,9 +94,11 @@ class OffloadedKVCache(KVCache):
     def begin(self, n: int) -> None:
         super().begin(n)
         lo = self.used // BLOCK * BLOCK
-        hi = min(self.capacity, -(-(self.used + n) // BLOCK) * BLOCK)
+        hi = min(self.capacity, max(lo + 2 * BLOCK, -(-(self.used + n) // BLOCK) * BLOCK))  # wider: a prefill chunk
         self._back = (lo, hi)
         self.moved += self.k.shape[0] * (hi + hi - lo) * self._row_bytes()
+        if self.stream is not None:  # nothing left on the side stream (a stream_layers pass closed early) runs late
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def replays(self) -> bool:
         return self.k.shape[0] * self.used * self._row_bytes() <= GRAPH_BYTES

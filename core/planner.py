@@ -83,17 +83,20 @@ class Costs:
     overhead: float = 0.0
 
     def verify(self, rows: int) -> float | None:
-        """A level-3 forward over `rows` new tokens: measured, else linear through the nearest measured sizes (flat
-        from a single one)."""
+        """A level-3 forward over `rows` new tokens: measured, else linear through the nearest measured sizes, or
+        beyond the largest through the two largest; below the smallest, the smallest's (a step over fewer tokens
+        reads the same weights and cache: it costs no less than nothing, and about as much)."""
         if rows in self.level3 or not self.level3:
             return self.level3.get(rows)
         sizes = sorted(self.level3)
+        if rows < sizes[0]:
+            return self.level3[sizes[0]]
         below = [r for r in sizes if r < rows]
         above = [r for r in sizes if r > rows]
-        a, b = (below[-1], above[0]) if below and above else (sizes[0], sizes[-1])
+        a, b = (below[-1], above[0]) if above else (sizes[-2], sizes[-1]) if len(sizes) > 1 else (sizes[0], sizes[0])
         if a == b:
             return self.level3[a]
-        return max(0.0, self.level3[a] + (self.level3[b] - self.level3[a]) * (rows - a) / (b - a))
+        return max(self.level3[a], self.level3[a] + (self.level3[b] - self.level3[a]) * (rows - a) / (b - a))
 
     def observe(self, level1_tokens: int, level1_ms: float, level2_forwards: int, level2_ms: float,
                 level3_rows: int, level3_ms: float, overhead_ms: float) -> None:
@@ -158,7 +161,7 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
     if verify is None or (h.level1 and c.level1 is None) or (h.level2 and c.level2 is None):
         return None
     if not h.gamma2:
-        return 1.0 / verify
+        return 1.0 / verify if verify > 0 else None
     given = e.offered.rate
     if h.level2:  # level 2 makes γ2 tokens, each level-2 forward checking γ1 level-1 tokens when level 1 drafts
         per_forward = expected_tokens(e.a1.rate, given * h.gamma1) if h.level1 else 1.0

@@ -215,7 +215,8 @@ def greedy(model: Transformer, ops: TorchOps, graphs: Graphs | None, prompt: lis
         verify = model.head(level.states(seq, 7, len(seq) - 7, record=7))
         queries = torch.stack(level.queries)  # [layers, Hkv, 7, D]
     model.ops = None
-    captured = sum(len(shapes) for _, shapes in graphs.by_cache.values()) if graphs else 0
+    captured = sum(len(shapes) for layouts in graphs.by_cache.values() for shapes in layouts.values()) \
+        if graphs else 0
     return {"tokens": seq[len(prompt):], "logits": torch.stack(logits), "verify": verify, "queries": queries,
             "graphs": captured}
 

@@ -40,6 +40,15 @@ def test_a_level_3_cost_between_measured_sizes_is_interpolated():
     assert Costs(level3={7: 16.0}).verify(1) == 16.0 and Costs().verify(1) is None
 
 
+def test_a_level_3_cost_outside_the_measured_sizes_never_falls_below_the_nearest_one():
+    """Below the smallest measured size (a streamed run never measures one token), the smallest's cost; above the
+    largest, on through the two largest, never lower (a noisy larger size must not make more tokens cheaper)."""
+    c = Costs(level3={7: 40.0, 13: 90.0, 16: 100.0})
+    assert c.verify(1) == 40.0 and c.verify(10) == pytest.approx(65.0) and c.verify(19) == pytest.approx(110.0)
+    assert Costs(level3={7: 40.0, 13: 30.0}).verify(16) == 40.0
+    assert rate(AUTOREGRESSIVE, Estimates(Costs(level3={7: 40.0, 13: 90.0}))) == pytest.approx(1 / 40.0)
+
+
 def test_autoregressive_wins_where_no_speculative_candidate_gains_its_cost():
     """A small model on a CPU: a retrieval step costs 95 % of a full one, the draft 40 %, acceptance modest."""
     e = estimates(level1=4.0, level2=9.5, level3={1: 10.0, 7: 18.0}, a1=0.4, a2=0.7)
