@@ -89,13 +89,10 @@ class Costs:
         if rows in self.level3 or not self.level3:
             return self.level3.get(rows)
         sizes = sorted(self.level3)
-        if rows < sizes[0]:
+        if rows < sizes[0] or len(sizes) == 1:
             return self.level3[sizes[0]]
-        below = [r for r in sizes if r < rows]
         above = [r for r in sizes if r > rows]
-        a, b = (below[-1], above[0]) if above else (sizes[-2], sizes[-1]) if len(sizes) > 1 else (sizes[0], sizes[0])
-        if a == b:
-            return self.level3[a]
+        a, b = (max(r for r in sizes if r < rows), above[0]) if above else (sizes[-2], sizes[-1])
         return max(self.level3[a], self.level3[a] + (self.level3[b] - self.level3[a]) * (rows - a) / (b - a))
 
     def observe(self, level1_tokens: int, level1_ms: float, level2_forwards: int, level2_ms: float,
