@@ -50,8 +50,8 @@ class Graphs:
         """model.step(ids, cache, n_rows, record, ops=ops) replayed from a graph (captured on first use of this
         shape: a cache serves one level, so always with the same operators)."""
         cache.begin(len(ids))
-        layouts = self.by_cache.setdefault(cache, {})
-        graphs = layouts[cache.layout()] = layouts.pop(cache.layout(), {})
+        layouts, layout = self.by_cache.setdefault(cache, {}), cache.layout()
+        graphs = layouts[layout] = layouts.pop(layout, {})
         while len(layouts) > KEPT_LAYOUTS:  # a rollback can step back one block: keep the one before too
             del layouts[next(iter(layouts))]
         key = (len(ids), n_rows, record)

@@ -221,14 +221,19 @@ def greedy(model: Transformer, ops: TorchOps, graphs: Graphs | None, prompt: lis
             "graphs": captured}
 
 
-def graph_decode(ops: TritonOps) -> dict:
-    """A small random GQA model (9/3 heads): eager TorchOps vs TritonOps replayed from CUDA graphs vs TritonOps
-    eager: the same greedy tokens, logits, verification logits and recorded queries?"""
+def graph_model() -> tuple[Transformer, list[int]]:
+    """The small random GQA model (9/3 heads) the graph checks decode, and its 3,000-token prompt."""
     torch.manual_seed(0)
     with torch.device(DEV):
         model = Transformer(LlamaConfig(**GRAPH_MODEL)).to(BF16).eval()
     model.fuse_projections()
-    prompt = torch.randint(0, 32000, (3000,)).tolist()
+    return model, torch.randint(0, 32000, (3000,)).tolist()
+
+
+def graph_decode(ops: TritonOps) -> dict:
+    """A small random GQA model (9/3 heads): eager TorchOps vs TritonOps replayed from CUDA graphs vs TritonOps
+    eager: the same greedy tokens, logits, verification logits and recorded queries?"""
+    model, prompt = graph_model()
     eager = greedy(model, TorchOps(), None, prompt)
     kernels = greedy(model, ops, None, prompt)
     graph = greedy(model, ops, Graphs(), prompt)
@@ -245,11 +250,7 @@ def graph_decode(ops: TritonOps) -> dict:
 def offloaded_graph_decode(ops: TritonOps) -> dict:
     """The same model decoding 300 tokens (across two of the offloaded cache's copied blocks) from CUDA graphs on a
     resident cache and on an offloaded one: bitwise the same logits, verification and queries?"""
-    torch.manual_seed(0)
-    with torch.device(DEV):
-        model = Transformer(LlamaConfig(**GRAPH_MODEL)).to(BF16).eval()
-    model.fuse_projections()
-    prompt = torch.randint(0, 32000, (3000,)).tolist()
+    model, prompt = graph_model()
     resident = greedy(model, ops, Graphs(), prompt, 300)
     offloaded = greedy(model, ops, Graphs(), prompt, 300, OffloadedKVCache)
     return {"offloaded_graph_equal": all(torch.equal(resident[k], offloaded[k]) for k in ("logits", "verify",
