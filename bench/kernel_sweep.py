@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from core import kernels as k
-from core.ops import DECODE_TOKENS
+from core.ops import gemv_rows
 
 DEV, BF16 = "cuda", torch.bfloat16
 
@@ -62,13 +62,13 @@ def sweep_attention() -> None:
 
 
 def gemv_bandwidth() -> None:
-    """The autotuned decode GEMV per weight shape, 1 and 3 rows."""
+    """The autotuned decode GEMV per weight shape, 1, 3 and 24 rows (the last in the 32-row block)."""
     for n_out, kin in GEMV_SHAPES:
         copies = max(2, int(400e6 // (n_out * kin * 2)))
         ws = [torch.randn(n_out, kin, device=DEV, dtype=BF16) for _ in range(copies)]
-        for m in (1, 3):
+        for m in (1, 3, 24):
             x = torch.randn(m, kin, device=DEV, dtype=BF16)
-            us = graph_us(lambda i: k.gemv(x, ws[i], None, None, DECODE_TOKENS), copies)
+            us = graph_us(lambda i: k.gemv(x, ws[i], None, None, gemv_rows(m)), copies)
             print(f"gemv {n_out}x{kin} m{m}: {us} us = {n_out * kin * 2 / us / 1e6:.2f} TB/s", flush=True)
 
 

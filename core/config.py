@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, Union
 Method = Literal["auto", "triforce", "ar"]
 Reselect = Union[str, int]
 SEED_LIMIT = 2**63  # torch generators take seeds below this
-AUTO_GAMMA2 = 15  # method auto: the longest level-3 draft (γ2 + 1 tokens fill one 16-row decode step)
+AUTO_GAMMA2 = 31  # method auto: the longest level-3 draft (γ2 + 1 tokens fill one 32-row decode step)
 
 
 class TriForceError(ValueError):

@@ -17,7 +17,7 @@ from core.events import verified
 
 SWITCH_GAIN = 1.10  # another plan must be expected this much faster to replace the current one
 MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it (and between two reconsiderations)
-GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15)  # the draft lengths weighed (every one would cost more than it tells)
+GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 31)  # the draft lengths weighed (every one would cost more than it tells)
 MAX_SWITCHES = 6  # per run, once the costs are measured
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
 

@@ -369,7 +369,7 @@ def test_projection_rows_of_a_many_token_step_equal_one_token_steps(triton, shap
     n_out, k_in = shape
     g = torch.Generator(DEV).manual_seed(n_out)
     w, b = randn(n_out, k_in, g=g) / k_in ** 0.5, randn(n_out, g=g)
-    for k in (2, 3, 7, 13, 16):
+    for k in (2, 3, 7, 13, 16, 17, 24, DECODE_TOKENS):  # both GEMV blocks
         x, r = randn(k, k_in, g=g), randn(k, n_out, g=g)
         outs = (triton.linear(x, w), triton.linear(x, w, b), triton.linear_add(r.clone(), x, w), triton.logits(x, w))
         for i in range(k):
