@@ -17,6 +17,9 @@ from core.events import verified
 
 SWITCH_GAIN = 1.10  # another plan must be expected this much faster to replace the current one
 MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it (and between two reconsiderations)
+# ... and the decoding time between two reconsiderations: weighing every candidate takes ~0.2 ms of Python, which
+# every 4 one-token rounds of a small model on a GPU (~1.3 ms each) would add ~4 %; this keeps it near 1 % anywhere.
+WEIGH_EVERY_MS = 20.0
 GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 31)  # the draft lengths weighed (every one would cost more than it tells)
 MAX_SWITCHES = 6  # per run, once the costs are measured
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
@@ -189,8 +192,9 @@ class Planner:
     """One run's hierarchy, round by round. While costs are unmeasured it measures: a round of the fullest
     hierarchy, then an autoregressive one (unless the full cache is `streamed` from host memory: a full step then
     costs what its copies do however few tokens it verifies, so the verification measured stands for an AR step,
-    which would cost a whole pass over the cache for one token). Then every MIN_ROUNDS rounds it weighs the
-    candidates again and switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times."""
+    which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds and
+    WEIGH_EVERY_MS of decoding have passed since it last looked, it weighs the candidates again and switches when
+    another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times."""
 
     estimates: Estimates
     level1: bool
@@ -201,6 +205,11 @@ class Planner:
     rounds: int = 0  # in the current plan
     switches: int = 0
     reason: str = ""  # why the current plan was chosen
+    since_weighed_ms: float = 0.0  # decoding time since the candidates were last weighed
+    options: list[Hierarchy] = field(init=False)  # the candidates it weighs
+
+    def __post_init__(self):
+        self.options = candidates(self.level1, self.gamma1_max, self.gamma2_max)
 
     def choose(self) -> Hierarchy:
         """The hierarchy of the next round."""
@@ -211,10 +220,11 @@ class Planner:
         if 1 not in c.level3 and not self.streamed:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
         fresh = self.current is None or self.reason.startswith("measuring")
-        due = self.rounds >= MIN_ROUNDS and self.rounds % MIN_ROUNDS == 0 and self.switches < MAX_SWITCHES
-        if not (fresh or due):  # weighing every candidate costs more than a small model's decode step
+        due = self.rounds >= MIN_ROUNDS and self.since_weighed_ms >= WEIGH_EVERY_MS and self.switches < MAX_SWITCHES
+        if not (fresh or due):
             return self.current
-        h, r = best(candidates(self.level1, self.gamma1_max, self.gamma2_max), self.estimates)
+        self.since_weighed_ms = 0.0
+        h, r = best(self.options, self.estimates)
         now = rate(self.current, self.estimates) if self.current else None
         if fresh or now is None or (h != self.current and r > SWITCH_GAIN * now):
             return self._set(h, self.explain(h, r))
@@ -245,10 +255,13 @@ class Planner:
         self.reason = reason
         return h
 
-    def observe(self, *measured: float) -> None:
+    def observe(self, level1_tokens: int, level1_ms: float, level2_forwards: int, level2_ms: float,
+                level3_rows: int, level3_ms: float, overhead_ms: float) -> None:
         """One round's measured costs (as Costs.observe takes them)."""
         self.rounds += 1
-        self.estimates.costs.observe(*measured)
+        self.since_weighed_ms += level1_ms + level2_ms + level3_ms + overhead_ms
+        self.estimates.costs.observe(level1_tokens, level1_ms, level2_forwards, level2_ms, level3_rows, level3_ms,
+                                     overhead_ms)
 
     def level1_checked(self, by: int, asked: int, proposed: int, accepted: int) -> None:
         """Level 1 was asked for `asked` tokens, proposed `proposed`, and level `by` (2, or 3 directly) accepted

@@ -11,8 +11,8 @@ import torch
 import core.triforce
 from core.config import GenerationConfig
 from core.events import Finished, PlanChosen
-from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, Costs, Estimate, Estimates, Hierarchy, Planner, best,
-                          candidates, expected_tokens, prior, rate)
+from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, WEIGH_EVERY_MS, Costs, Estimate, Estimates, Hierarchy, Planner,
+                          best, candidates, expected_tokens, prior, rate)
 from tests.lossless import GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
 
@@ -82,6 +82,20 @@ def test_the_planner_measures_first_then_switches_only_for_a_clear_gain():
         p.observe(0, 0.0, 0, 0.0, 1, 10.0, 0.0)
         p.estimates.costs.level3[1] = 1000.0
         assert p.choose() == chosen
+
+
+def test_a_fast_model_s_plan_is_weighed_again_only_after_enough_decoding_time():
+    """Weighing every candidate costs a fraction of a millisecond of Python: with 1 ms rounds the planner waits for
+    WEIGH_EVERY_MS of them, not MIN_ROUNDS, before it looks again."""
+    p = Planner(estimates(level1=0.9, level2=0.95, level3={1: 1.0, 7: 1.2}, a1=0.3, a2=0.5), level1=True,
+                gamma1_max=2, gamma2_max=31)
+    assert p.choose() == AUTOREGRESSIVE
+    p.estimates.costs.level2, p.estimates.a2 = 0.1, Estimate(100.0, 99.0)  # now level 2 → 3 would be far faster
+    rounds = 0
+    while p.choose() == AUTOREGRESSIVE:
+        p.observe(0, 0.0, 0, 0.0, 1, 1.0, 0.0)
+        rounds += 1
+    assert rounds == WEIGH_EVERY_MS > MIN_ROUNDS and p.current.level2 and p.current.gamma2 > 15
 
 
 def test_with_the_full_cache_streamed_the_planner_takes_the_verification_for_an_autoregressive_step():
