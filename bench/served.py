@@ -21,12 +21,12 @@ slow  A slow upload beside a short run: while one client uploads a crafted PDF (
       python -m bench.served slow [--runs 5] [--pdfs pages-2000 pages-900] [--max-wait 120]
 scale the app at a document's full length (summary.app_scale): the first and the second greedy Compare click and a
       sampled one (speedups), a TriForce-tab run (its heatmap), the largest frame any of them streamed, the server's
-      RSS after the first and the tenth click, then the same sampled runs through Engine.generate once the app has
+      RSS after the first and the last click (ten by default), then the same sampled runs through Engine.generate once the app has
       stopped (the app's tokens/s over the engine's, per method). Random weights are built as bench.common's random
       models are (PyTorch's default initialisation, not transformers': that one's attention is near uniform, where
       retrieval means nothing).
       python -m bench.served scale --random llama31_8b --random-draft llama32_1b --tokenizer DIR \\
-          --doc-tokens 120000 --gpu-memory-gib 24            # on the GPU: summary.app_scale of its result file
+          --doc-tokens 120000 --gpu-memory-gib 24 [--new-tokens 64 --clicks 4]   # on the GPU: summary.app_scale
       python -m bench.served scale --doc-tokens 2000 --new-tokens 32   # the embedded model on the CPU
 planner method auto against autoregressive decoding through the served app's Compare, the embedded model on the CPU
       at ~8K tokens (its whole context), greedy and sampled, after a warm-up click: the tokens/s ratios and the
@@ -129,21 +129,26 @@ def random_model_dir(shape: str, tokenizer: str, out: Path, context: int = 8192,
 
     torch.manual_seed(0)
     config = LlamaConfig(**{**SHAPES[shape], "max_position_embeddings": context})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    if torch_init:
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                    module.reset_parameters()
+    # drawn on the GPU where there is one: initialising 8B bf16 weights on a CPU takes minutes
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if torch_init:
+            with torch.no_grad():
+                for module in model.modules():
+                    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                        module.reset_parameters()
     model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
     return out
 
 
-def engine_figures(target: str | None, draft: str | None, document: str, configs: dict[str, dict]) -> dict:
+def engine_figures(target: str | None, draft: str | None, document: str, configs: dict[str, dict],
+                   gpu_memory_gib: float | None = None) -> dict:
     """engine_tok_s of each named config (GenerationConfig fields) through Engine.generate in this process (run once
-    the app has stopped: the two never hold a GPU's memory at once)."""
-    engine = Engine.load(target, draft)
+    the app has stopped: the two never hold a GPU's memory at once), within the app's GPU memory budget."""
+    engine = Engine.load(target, draft, gpu_memory_gib=gpu_memory_gib)
     return {name: engine_tok_s(engine, document, GenerationConfig(**cfg).validate()) for name, cfg in configs.items()}
 
 
@@ -341,14 +346,16 @@ def cut(tokenizer, tokens: int) -> str:
 
 def scale(args: argparse.Namespace) -> None:
     """summary.app_scale: Compare clicks and a TriForce run through the served app at the document's full length,
-    the largest frame, the RSS after the first and the tenth click, then the engine's own tokens/s."""
+    the largest frame, the RSS after the first and the last click, then the engine's own tokens/s."""
     work = Path(tempfile.mkdtemp(prefix="scale-"))
     context = args.doc_tokens + args.new_tokens + 1024
     target = draft = None
+    t_built = time.monotonic()
     if args.random:
         target = str(random_model_dir(args.random, args.tokenizer, work / "target", context, torch_init=True))
         draft = str(random_model_dir(args.random_draft, args.tokenizer, work / "draft", context, torch_init=True)) \
             if args.random_draft else ""
+        print(f"random weights written in {time.monotonic() - t_built:.0f} s", flush=True)
     elif args.target:
         target, draft = args.target, args.draft
     env = EMBEDDED_ON_CPU if target is None else {"TRIFORCE_TARGET": target, "TRIFORCE_DRAFT": draft or ""}
@@ -363,10 +370,11 @@ def scale(args: argparse.Namespace) -> None:
     started = time.monotonic()
     with serving(env, work / "app.log") as (client, pid):
         rows["app_start_s"] = time.monotonic() - started
+        print(f"app serving after {rows['app_start_s']:.0f} s", flush=True)
         clicks = [("first_click", "/compare", {"greedy": True}), ("second_click", "/compare", {"greedy": True}),
                   ("sampled", "/compare", SAMPLED), ("triforce_tab", "/triforce", {"greedy": True})]
-        clicks += [(f"click_{n}", "/compare", SAMPLED if n % 2 else {"greedy": True}) for n in range(5, 11)]
-        for name, endpoint, overrides in clicks:
+        clicks += [(f"click_{n}", "/compare", SAMPLED if n % 2 else {"greedy": True}) for n in range(5, args.clicks + 1)]
+        for name, endpoint, overrides in clicks[:args.clicks]:
             t0 = time.monotonic()
             outputs, biggest = click(client, endpoint, document, preset, **common, **overrides)
             frames.append(biggest)
@@ -375,11 +383,11 @@ def scale(args: argparse.Namespace) -> None:
                 rows[name] = {**brief(outputs[COMPARE_OUTPUTS.index("compare_json")]), "max_frame_bytes": biggest,
                               "wall_s": time.monotonic() - t0}
             print(name, f"{time.monotonic() - t0:.0f} s, largest frame {biggest:,} bytes, RSS {rss[-1]:.0f} MiB",
-                  flush=True)
+                  json.dumps(rows.get(name, {})), flush=True)
     rows["rss_mib"], rows["load_average_during_app"] = rss, os.getloadavg()
     chosen = dict(preset_by_name(EMBEDDED).settings) if target is None else {}  # what the app's panel started from
     rows |= engine_figures(target, draft or None, document, {f"engine_sampled_{method}": {
-        **chosen, **common, **SAMPLED, "method": method} for method in ("ar", args.method)})
+        **chosen, **common, **SAMPLED, "method": method} for method in ("ar", args.method)}, args.gpu_memory_gib)
     rows["load_average_after_engine"] = os.getloadavg()  # the machine's other work (a shared CPU skews the ratios)
     sampled = rows["sampled"]
     engine_speedup = rows[f"engine_sampled_{args.method}"]["tokens_per_s"] / rows["engine_sampled_ar"]["tokens_per_s"]
@@ -389,7 +397,7 @@ def scale(args: argparse.Namespace) -> None:
         "app_over_engine_ar": sampled["ar_tokens_per_s"] / rows["engine_sampled_ar"]["tokens_per_s"],
         "app_over_engine_triforce": sampled["triforce_tokens_per_s"]
         / rows[f"engine_sampled_{args.method}"]["tokens_per_s"],
-        "max_frame_bytes": max(frames), "rss_growth_after_10": rss[-1] / rss[0] - 1, "method": args.method}
+        "max_frame_bytes": max(frames), f"rss_growth_after_{len(rss)}": rss[-1] / rss[0] - 1, "method": args.method}
     print(rows["summary"], flush=True)
     if torch.cuda.is_available():
         results = GpuResults(args.out, ["app_scale"])
@@ -455,6 +463,7 @@ def main() -> None:
     c.add_argument("--method", choices=("auto", "triforce"), default="auto", help="the method beside AR")
     c.add_argument("--doc-tokens", type=int, default=120_000)
     c.add_argument("--new-tokens", type=int, default=128)
+    c.add_argument("--clicks", type=int, default=10, help="clicks in all (the RSS growth is over these)")
     c.add_argument("--gpu-memory-gib", type=float, help="the app's GPU memory budget (TRIFORCE_GPU_MEMORY_GIB)")
     c.add_argument("--out", help="GPU result file (default: the GPU's bench/results file)")
     c.add_argument("--name", default="served-scale-cpu", help="result name off a GPU")
