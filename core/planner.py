@@ -20,7 +20,7 @@ MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it (an
 # ... and the decoding time between two reconsiderations: weighing every candidate takes ~0.2 ms of Python, which
 # every 4 one-token rounds of a small model on a GPU (~1.3 ms each) would add ~4 %; this keeps it near 1 % anywhere.
 WEIGH_EVERY_MS = 20.0
-GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 31)  # the draft lengths weighed (every one would cost more than it tells)
+GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 31)  # the draft lengths weighed (all of 1-31: more cost than use)
 MAX_SWITCHES = 6  # per run, once the costs are measured
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
 
