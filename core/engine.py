@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from core.autoregressive import Autoregressive
-from core.config import GenerationConfig, TriForceError
+from core.config import AUTO_GAMMA2, GenerationConfig, TriForceError
 from core.cuda_graphs import Graphs
 from core.drafters import DraftContext, Drafter, drafter_name, make_drafter
 from core.events import Event, Finished, Footprint, Loading, PrefillProgress, PromptReady, Stats
@@ -176,12 +176,15 @@ class Engine:
 
     def warm_up(self, new_tokens: int = 128) -> list[Stats]:
         """Run AR, greedy and sampled TriForce and method auto once on a short sample text, so that the kernels a GPU
-        compiles on first use (Triton, cuBLAS) are ready before a first request; its caches are released after."""
+        compiles on first use (Triton, cuBLAS) are ready before a first request; its caches are released after. The
+        greedy TriForce run drafts the most method auto may (AUTO_GAMMA2), so its first verification fills the
+        largest decode step, whose GEMV block the shorter steps never compile."""
         document, question = warm_up_text()
         stats = []
-        for settings in ({"method": "ar", "greedy": True}, {"method": "triforce", "greedy": True},
+        longest = {"gamma2": AUTO_GAMMA2, "max_new_tokens": max(new_tokens, AUTO_GAMMA2 + 1)}
+        for settings in ({"method": "ar", "greedy": True}, {"method": "triforce", "greedy": True, **longest},
                          {"method": "triforce"}, {"method": "auto"}):
-            cfg = self.settings(max_new_tokens=new_tokens, overflow="truncate", **settings)  # the preset's budget
+            cfg = self.settings(**{"max_new_tokens": new_tokens, "overflow": "truncate", **settings})  # preset's budget
             stats += [e.stats for e in self.generate(document, question, cfg) if isinstance(e, Finished)]
         self.release()
         return stats

@@ -12,6 +12,7 @@ from core.config import GenerationConfig
 from core.engine import Engine
 from core.events import Finished, PrefillProgress, Tokens
 from core.kvcache import KVCache
+from core.ops import DECODE_TOKENS
 from tests.tiny import DigitTokenizer, tiny_config, tiny_pair
 
 VOCAB = 32
@@ -137,12 +138,14 @@ def test_level2_drafts_no_more_than_the_answer_wants(monkeypatch, drafter):
 
 def test_warm_up_runs_each_path_and_keeps_no_prompt_cache(embedded):
     """Engine.warm_up (the app runs it before serving on a GPU) goes through AR, greedy and sampled TriForce and
-    method auto on a real prompt, then gives back its caches, so a first request starts clean."""
+    method auto on a real prompt, one verification as long as a decode step gets (the largest GEMV block compiles
+    then, not in a request), then gives back its caches, so a first request starts clean."""
     stats = embedded.warm_up(new_tokens=4)
     assert [(s.method, s.settings["greedy"]) for s in stats] == [("ar", True), ("triforce", True), ("triforce", False),
                                                                  ("auto", False)]
     assert all(s.new_tokens > 0 and s.prompt_tokens > 500 for s in stats)
     assert stats[2].level2_proposed > 0
+    assert any(DECODE_TOKENS in rows for rows in embedded.costs.level3.values())  # level-3 steps measured, by rows
     assert not embedded.memory.caches()
 
 
