@@ -29,6 +29,12 @@ class Graph:
 KEPT_LAYOUTS = 2  # per cache
 
 
+def clock(graphs: Graphs | None) -> float:
+    """Seconds for timing a level's steps: the wall clock less the time `graphs` has spent capturing, so that a step
+    shape's first use (compiling and capturing, seconds) counts as warm-up, not as what that level's steps cost."""
+    return time.perf_counter() - (graphs.capture_s if graphs is not None else 0.0)
+
+
 class Graphs:
     """The graphs captured on each cache (kept while the cache lives): an engine holds one of these when CUDA graphs
     are on."""

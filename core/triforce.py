@@ -4,14 +4,13 @@ round (core.planner)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Generator, Iterator
 
 import torch
 
 from core.config import GenerationConfig
-from core.cuda_graphs import Graphs
+from core.cuda_graphs import Graphs, clock
 from core.drafters import Drafter
 from core.events import Acceptance, DraftProposal, Event, Footprint, PlanChosen, Provenance, StepTiming, Verdict
 from core.kvcache import KVCache
@@ -52,6 +51,7 @@ class TriForce:
                  graphs: Graphs | None = None, index_device: torch.device | None = None,
                  estimates: Estimates | None = None):
         self.target, self.prompt, self.queries, self.drafter = target, prompt, queries, drafter
+        self.graphs = graphs
         self.cfg, self.generator, self.out = cfg, generator, out
         level1 = drafter.name != "none"
         self.planner = Planner(estimates, level1, cfg.gamma1, cfg.gamma2, streamed=not target.cache.resident) \
@@ -81,12 +81,12 @@ class TriForce:
                 self.plans.append(h.name)
                 yield PlanChosen(round_, h.name, self.planner.reason, h.level1, h.level2, h.gamma1, h.gamma2)
             committed = len(seq)
-            t0 = time.perf_counter()
+            t0 = clock(self.graphs)
             if h.level2:  # level 2's cache takes what level 3 verified since it was last in step, whatever drafted it
                 retrieval.sync(self.level2, target, seq, retrieval.synced)
-            sync_s = time.perf_counter() - t0
+            sync_s = clock(self.graphs) - t0
             draft = yield from self.draft(h, seq, committed, round_, feature)
-            t0 = time.perf_counter()
+            t0 = clock(self.graphs)
             reselect = h.level2 and retrieval.policy.due(round_)
             n = len(draft.tokens)
             h3 = target.states(seq, n + 1, committed, draft.tokens, record=n + 1 if reselect else 0)
@@ -94,7 +94,7 @@ class TriForce:
             accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q) if draft.q else None, p3,
                                                  self.generator)
             feature = h3[accepted]
-            level3_s = time.perf_counter() - t0
+            level3_s = clock(self.graphs) - t0
             self.counts.count(2 if h.level2 else 1, n, accepted)  # (level 1's drafts checked by level 3 directly)
             if self.planner and h.level2:
                 self.planner.level2_checked(n, accepted)
@@ -140,9 +140,9 @@ class TriForce:
             return (yield from self.draft_level2(seq, committed, round_, feature, h.gamma1 if h.level1 else 0, want))
         draft = Draft()
         if h.level1 and want:
-            t0 = time.perf_counter()
+            t0 = clock(self.graphs)
             proposal = self.drafter.propose(seq, want, committed, (), feature)
-            draft.level1_s = time.perf_counter() - t0
+            draft.level1_s = clock(self.graphs) - t0
             draft.tokens, draft.asked, draft.level1_tokens = proposal.tokens, want, len(proposal.tokens)
             if proposal.tokens:
                 q = proposal.q if proposal.q is not None else \
@@ -160,17 +160,17 @@ class TriForce:
         cfg, level2 = self.cfg, self.level2
         draft = Draft()
         while len(draft.tokens) < want:
-            t0 = time.perf_counter()
+            t0 = clock(self.graphs)
             asked = min(gamma1, want - len(draft.tokens))
             proposals, q1, copied = self.drafter.propose(seq, asked, committed, draft.tokens, feature) if asked \
                 else ([], None, [])
-            t1 = time.perf_counter()
+            t1 = clock(self.graphs)
             h2 = level2.states(seq, len(proposals) + 1, committed, draft.tokens + proposals)
             p2 = distributions(self.repetition(level2.head(h2), seq, draft.tokens + proposals), cfg)
             # The residual is explicit here: the reference code samples from p2 instead, which biases level 3's q.
             accepted, token = speculative_verify(proposals, q1, p2, self.generator, residual=residual_distribution)
             draft.level1_s += t1 - t0
-            draft.level2_s += time.perf_counter() - t1
+            draft.level2_s += clock(self.graphs) - t1
             self.counts.count(1, len(proposals), accepted)
             draft.level1_tokens += len(proposals)
             draft.level2_forwards += 1

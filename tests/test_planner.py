@@ -4,13 +4,16 @@ gain), and exactness while it switches hierarchies round by round (greedy token-
 sampled distribution the target's)."""
 
 import itertools
+import time
 
 import pytest
 import torch
 
 import core.triforce
 from core.config import GenerationConfig
+from core.cuda_graphs import Graphs
 from core.events import Finished, PlanChosen
+from core.model import Transformer
 from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, WEIGH_EVERY_MS, Costs, Estimate, Estimates, Hierarchy, Planner,
                           best, candidates, expected_tokens, prior, rate)
 from tests.lossless import GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
@@ -106,6 +109,32 @@ def test_with_the_full_cache_streamed_the_planner_takes_the_verification_for_an_
     chosen = p.choose()
     assert chosen != AUTOREGRESSIVE and chosen.level2 and 1 not in p.estimates.costs.level3
     assert "a level-2 step costs 10% of a full one" in p.reason  # 100 ms beside the measured pass
+
+
+def test_graph_captures_are_not_counted_in_the_costs_the_planner_weighs(monkeypatch):
+    """A step shape's first use captures a CUDA graph (and compiles: seconds on a GPU). That time is warm-up: counted
+    in a level's cost, one capture made the level look expensive for the rest of the run and to the next runs. Here
+    every first use of a (cache, step size) takes 100 ms and reports it as a capture, as Graphs does."""
+    engine, prompt = tiny_engine()
+    engine.graphs = Graphs()
+    step, seen = Transformer.step, set()
+
+    def capturing_step(model, ids, cache, *args, **kwargs):
+        if (id(cache), len(ids)) not in seen:
+            seen.add((id(cache), len(ids)))
+            time.sleep(0.1)
+            engine.graphs.capture_s += 0.1
+        return step(model, ids, cache, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "step", capturing_step)
+    cfg = GenerationConfig(method="auto", greedy=True, max_new_tokens=24, budget=8, chunk_size=4, sink_tokens=4,
+                           window_tokens=12)
+    with torch.no_grad():
+        for method in ("ar", "auto"):
+            list(engine.generate_ids(prompt, GenerationConfig(**{**cfg.to_dict(), "method": method})))
+    measured = [ms for rows in engine.costs.level3.values() for ms in rows.values()]
+    measured += [ms for levels in engine.costs.levels.values() for ms in levels[:2] if ms is not None]
+    assert len(seen) > 4 and measured and max(measured) < 50.0, measured
 
 
 class Cycling(Planner):
