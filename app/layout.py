@@ -183,12 +183,13 @@ def build_demo() -> gr.Blocks:
                         inputs=[document, preset_name, panel["budget"], instruction, quick["max_new_tokens"]],
                         outputs=doc_info, show_progress="hidden", trigger_mode="always_last", concurrency_limit=None,
                         preprocess=False)  # values of any type reach it, and it names a bad one
-        document.change(api_name="describe_document", **describe)
-        for changed in (panel["budget"], instruction, quick["max_new_tokens"], preset_name):
-            changed.change(api_visibility="private", **describe)
+        # one listener for every input the line counts, so that "always last" holds across them: picking a sample
+        # changes the document and the instruction at once, and two listeners could finish in either order, the
+        # line then counting the new document with the old instruction
+        gr.on([document.change, instruction.change, panel["budget"].change, quick["max_new_tokens"].change,
+               preset_name.change, demo.load], api_name="describe_document", **describe)
         preset_name.input(callbacks.preset_settings, preset_name, [panel[name] for name in PRESET_SETTINGS],
                           api_visibility="private")
-        demo.load(api_visibility="private", **describe)
 
         outputs = {"status": status, "answer": answer, "heatmap": heatmap, "doc_view": doc_view, "stats": stats,
                    "stats_json": stats_json, "timeline": timeline, "costs": costs, "raw_stats": raw_stats,
