@@ -165,7 +165,8 @@ def brief(summary: dict) -> dict:
     keep = ("tokens_per_s", "new_tokens", "prompt_tokens", "prefill_s", "time_to_first_token_s", "warmup_s",
             "level1_acceptance", "level2_acceptance", "tokens_per_target_forward", "device", "dtype")
     return {"speedup": summary["speedup"], "identical": summary["identical"],
-            **{f"{run}_{key}": summary[run].get(key) for run in ("ar", "triforce") for key in keep}}
+            **{f"{run}_{key}": summary[run].get(key) for run in ("ar", "triforce") for key in keep},
+            "plans": summary["triforce"].get("plans")}
 
 
 def gpu(args: argparse.Namespace) -> None:
@@ -421,7 +422,7 @@ def planner(args: argparse.Namespace) -> None:
         for n in range(args.clicks):
             for sampling, overrides in (("greedy", {"greedy": True}), ("sampled", SAMPLED)):
                 summary = compare(client, document, EMBEDDED, **common, **overrides)
-                runs[f"{sampling} {n}"] = {**brief(summary), "plans": summary["triforce"]["plans"]}
+                runs[f"{sampling} {n}"] = brief(summary)
                 print(sampling, n, f"auto / AR tokens/s {summary['speedup']:.3f}", summary["triforce"]["plans"],
                       flush=True)
     ratio = {s: [r["speedup"] for name, r in runs.items() if name.startswith(s)] for s in ("greedy", "sampled")}
