@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from core.ops import DECODE_TOKENS
+
 BLOCK_N = 64
 TARGET_PROGRAMS = 2 * 132  # two per SM of an H100/H200: more, shorter splits measured slower (bench.kernel_sweep)
 
@@ -271,16 +273,23 @@ def _graph_bench(fn, quantiles=None):
 _gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K"], restore_value=["Y"], do_bench=_graph_bench)(_gemv_kernel)
 
 
+# The rows one GEMV launch computes: the smallest of these blocks that holds the step. A row's arithmetic is the same
+# in either (its reduction over K runs alike), so a 20-token verification reproduces one-token steps bit for bit while
+# a one-token step computes a block of 16, not 32.
+GEMV_BLOCKS = (16, DECODE_TOKENS)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
-         rows: int, accumulate: bool = True) -> torch.Tensor:
-    """x [m, K] @ weight[N, K].T (+ bias) for m <= rows (the block of rows every launch computes), as one kernel,
-    into a new [m, N] tensor of x's dtype or into `out` [m, N], to which it is added (a residual connection without
-    a separate add or split-K reduction) unless not `accumulate`; returns the result."""
+         accumulate: bool = True) -> torch.Tensor:
+    """x [m, K] @ weight[N, K].T (+ bias) for m <= DECODE_TOKENS, as one kernel computing a block of rows that
+    depends on m alone (GEMV_BLOCKS), into a new [m, N] tensor of x's dtype or into `out` [m, N], to which it is added
+    (a residual connection without a separate add or split-K reduction) unless not `accumulate`; returns the result."""
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    rows = next(b for b in GEMV_BLOCKS if m <= b)
     flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=out is not None and accumulate, BLOCK_M=rows)
     _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     return y

@@ -13,15 +13,6 @@ import torch
 import torch.nn.functional as F
 
 DECODE_TOKENS = 32  # a forward of at most this many new tokens is a decode step (folded / device-side attention)
-# The rows one GEMV launch computes: the smallest of these blocks that holds the step. A row's arithmetic is the same
-# in either (its reduction over K runs alike), so a 20-token verification reproduces one-token steps bit for bit while
-# a one-token step computes a block of 16, not 32.
-GEMV_BLOCKS = (16, DECODE_TOKENS)
-
-
-def gemv_rows(m: int) -> int:
-    """The GEMV block of rows for a step of m tokens."""
-    return next(b for b in GEMV_BLOCKS if m <= b)
 
 
 class AttentionCache(Protocol):
@@ -185,14 +176,14 @@ class TritonOps(TorchOps):
         return self.k.rope(x, cos, sin) if x.dim() == 3 else super().rope_heads(x, cos, sin)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.k.gemv(x, weight, bias, None, gemv_rows(x.shape[0])) if self._gemv(x) else F.linear(x, weight, bias)
+        return self.k.gemv(x, weight, bias, None) if self._gemv(x) else F.linear(x, weight, bias)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A decode step's logits from the GEMV, accumulated and written in float32 (no bf16 rounding of them)."""
         if not (self.invariant and self._gemv(x)):
             return super().logits(x, weight)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-        return self.k.gemv(x, weight, None, out, gemv_rows(x.shape[0]), accumulate=False)
+        return self.k.gemv(x, weight, None, out, accumulate=False)
 
     def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         return self.silu_mul(self.linear(x, gate_up)) if self.invariant else super().swiglu(x, gate_up)
@@ -207,7 +198,7 @@ class TritonOps(TorchOps):
     def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._gemv(x):
-            return self.k.gemv(x, weight, bias, residual, gemv_rows(x.shape[0]))
+            return self.k.gemv(x, weight, bias, residual)
         return super().linear_add(residual, x, weight, bias)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
