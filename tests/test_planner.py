@@ -127,11 +127,10 @@ def test_graph_captures_are_not_counted_in_the_costs_the_planner_weighs(monkeypa
         return step(model, ids, cache, *args, **kwargs)
 
     monkeypatch.setattr(Transformer, "step", capturing_step)
-    cfg = GenerationConfig(method="auto", greedy=True, max_new_tokens=24, budget=8, chunk_size=4, sink_tokens=4,
-                           window_tokens=12)
+    base = dict(greedy=True, max_new_tokens=24, budget=8, chunk_size=4, sink_tokens=4, window_tokens=12)
     with torch.no_grad():
         for method in ("ar", "auto"):
-            list(engine.generate_ids(prompt, GenerationConfig(**{**cfg.to_dict(), "method": method})))
+            list(engine.generate_ids(prompt, GenerationConfig(method=method, **base)))
     measured = [ms for rows in engine.costs.level3.values() for ms in rows.values()]
     measured += [ms for levels in engine.costs.levels.values() for ms in levels[:2] if ms is not None]
     assert len(seen) > 4 and measured and max(measured) < 50.0, measured
