@@ -295,7 +295,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_select"])  # one compile for every budget/prompt pair (not one per n % 16)
 def _gather_chunks_kernel(K, V, Kout, Vout, Ids, n_select, stride_l, stride_h, out_l, out_h,
                           H: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr):
     """One (layer x KV head, j): copy chunk Ids[., j] (ROW = chunk_size x head_dim contiguous elements) of K and V
