@@ -11,12 +11,21 @@ from core.cuda_graphs import clock
 from core.events import Event, Footprint, StepTiming
 from core.levels import Level
 from core.output import Output
-from core.planner import Costs
+from core.planner import Costs, Estimates
 from core.repetition import Repetition
 from core.sampling import distributions, sample
 
 
 NEAR_TIE = 1.0  # greedy runs record the steps whose top two logits are closer than this (rounding can swap them)
+
+
+def next_token(target: Level, seq: list[int], repetition: Repetition, cfg: GenerationConfig,
+               generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """One autoregressive step: the token after seq, the target's hidden state [1, D] and the logits [1, V] it came
+    from (method auto's autoregressive rounds take this very step)."""
+    hidden = target.states(seq, 1, len(seq) - 1)
+    logits = repetition(target.head(hidden), seq)
+    return sample(distributions(logits, cfg)[0], generator), hidden, logits
 
 
 class Autoregressive:
@@ -29,6 +38,10 @@ class Autoregressive:
         self.margins: list[torch.Tensor] = []  # per greedy step, on the device (read once, at the end)
         self.costs = Costs()  # its steps' time (a later run's planner starts from it)
 
+    def prepare(self) -> Iterator[Event]:
+        """Nothing to prepare beside the prefilled cache."""
+        return iter(())
+
     def run(self) -> Iterator[Event]:
         """Each token's event and timing."""
         target, cfg, out = self.target, self.cfg, self.out
@@ -37,11 +50,10 @@ class Autoregressive:
         repetition = Repetition(cfg, target.model.args.vocab_size, target.model.device, len(seq))
         while not out.done:
             t0 = clock(target.graphs)
-            logits = repetition(target.logits(seq, 1, len(seq) - 1), seq)
+            token, _, logits = next_token(target, seq, repetition, cfg, self.generator)
             if cfg.is_greedy:
                 top = logits[0].topk(2).values
                 self.margins.append(top[0] - top[1])
-            token = sample(distributions(logits, cfg)[0], self.generator)
             ms = (clock(target.graphs) - t0) * 1e3
             if step:  # a first eager step may still compile kernels (a graph's capture is not on the clock)
                 self.costs.observe(0, 0.0, 0, 0.0, 1, ms, 0.0)
@@ -50,9 +62,9 @@ class Autoregressive:
             yield StepTiming(step, 0.0, 0.0, ms, 0.0, 1)
             step += 1
 
-    def measured(self) -> Costs:
+    def measured(self) -> Estimates:
         """What a step took in this run."""
-        return self.costs
+        return Estimates(self.costs)
 
     def footprint(self) -> Footprint:
         """No drafts and no other caches; the greedy steps decided by a near-tie, with their margins."""

@@ -67,16 +67,19 @@ class NoDrafter:
 
 
 class NgramDrafter:
-    """Prompt lookup: continue the longest recent suffix n-gram found earlier in the document or output."""
+    """Prompt lookup: continue the longest recent suffix n-gram found earlier in the document or output. The
+    prompt's n-grams are indexed when it is made (before decoding: 10-20 ms at 8K tokens, which a first proposal
+    would otherwise pay, and be judged by); the answer's as it grows."""
 
     name = "ngram"
     steps = 0
     level = None
 
-    def __init__(self, max_n: int):
+    def __init__(self, max_n: int, prompt: Sequence[int] = ()):
         self.max_n = max_n
         self.index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (last end, previous end)
         self.indexed = 0
+        self._extend(list(prompt), len(prompt))
 
     def _extend(self, seq: list[int], upto: int) -> None:
         for end in range(self.indexed + 1, upto + 1):
@@ -125,7 +128,7 @@ class ModelDrafter:
         self.level = Level(model, cache, [], graphs, drafting=True)
         self.cfg, self.vocab_size, self.generator = cfg, vocab_size, generator
         self.repetition = Repetition(cfg, vocab_size, model.device, len(prompt))  # q nearer the target's penalised p
-        self.lookup = NgramDrafter(max(cfg.ngram_max, cfg.lookup_min)) if cfg.lookup_min else None
+        self.lookup = NgramDrafter(max(cfg.ngram_max, cfg.lookup_min), prompt) if cfg.lookup_min else None
         self._fill(prompt[:-1])
 
     def _fill(self, body: list[int]) -> None:
@@ -199,7 +202,7 @@ class ModelDrafter:
 
 DRAFTERS: dict[str, Callable[[DraftContext], Drafter]] = {
     "model": ModelDrafter.create,
-    "ngram": lambda ctx: NgramDrafter(ctx.cfg.ngram_max),
+    "ngram": lambda ctx: NgramDrafter(ctx.cfg.ngram_max, ctx.prompt),
     "none": lambda ctx: NoDrafter(),
 }
 

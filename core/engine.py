@@ -23,7 +23,7 @@ from core.memory import GiB, Memory, Plan, Prefilled, device_limit, working_byte
 from core.model import Transformer
 from core.output import Output
 from core.parallel import TensorParallel, parallelize
-from core.planner import CostBook, Costs, Estimates
+from core.planner import CostBook, Estimates
 from core.presets import Preset, preset_config, resolve_preset
 from core.prompting import Prompt, build_prompt, plain_ids
 from core.samples import warm_up_text
@@ -46,14 +46,16 @@ def default_prefill_chunk(model: Transformer, limit: int | None = None) -> int:
 
 
 class Decoder(Protocol):
-    """A decoding method over a prefilled target level: its events until the answer is done, then what it adds to
-    the run's figures and what its steps cost."""
+    """A decoding method over a prefilled target level: the events of filling its other caches, its events until
+    the answer is done, then what it adds to the run's figures and what its steps cost."""
+
+    def prepare(self) -> Iterator[Event]: ...
 
     def run(self) -> Iterator[Event]: ...
 
     def footprint(self) -> Footprint: ...
 
-    def measured(self) -> Costs: ...
+    def measured(self) -> Estimates: ...
 
 
 @dataclass
@@ -69,7 +71,7 @@ class Engine:
     info: dict = field(default_factory=dict)
     memory: Memory | None = None  # the runs' caches (None: a new Memory with no device limit, as on a CPU)
     graphs: Graphs | None = None  # CUDA graphs of decode steps (None: launched eagerly)
-    costs: CostBook = field(default_factory=CostBook)  # step costs measured by earlier runs (method auto reads them)
+    costs: CostBook = field(default_factory=CostBook)  # what earlier runs measured (method auto starts from it)
     preset: Preset | None = None  # the model preset (core/presets.py): generate() starts from its settings
 
     def __post_init__(self):
@@ -176,14 +178,18 @@ class Engine:
 
     def warm_up(self, new_tokens: int = 128) -> list[Stats]:
         """Run AR, greedy and sampled TriForce and method auto once on a short sample text, so that the kernels a GPU
-        compiles on first use (Triton, cuBLAS) are ready before a first request; its caches are released after. The
-        greedy TriForce run drafts the most method auto may (AUTO_GAMMA2), so its first verification fills the
-        largest decode step, whose GEMV block the shorter steps never compile."""
+        compiles on first use (Triton, cuBLAS) are ready before a first request, and method auto's cost book holds
+        every level's cost (a first request then starts from them, as a second would); its caches are released
+        after. The greedy TriForce run drafts the most method auto may (AUTO_GAMMA2), so its first verification
+        fills the largest decode step, whose GEMV block the shorter steps never compile. On a GPU, greedy and sampled
+        TriForce also run with the full cache offloaded, the regime of a prompt beyond the GPU's memory."""
         document, question = warm_up_text()
         stats = []
         longest = {"gamma2": AUTO_GAMMA2, "max_new_tokens": max(new_tokens, AUTO_GAMMA2 + 1)}
+        offloaded = [{"method": "triforce", "offload": "on", **sampling} for sampling in ({"greedy": True}, {})] \
+            if self.memory.limit is not None else []
         for settings in ({"method": "ar", "greedy": True}, {"method": "triforce", "greedy": True, **longest},
-                         {"method": "triforce"}, {"method": "auto"}):
+                         {"method": "triforce"}, {"method": "auto"}, *offloaded):
             cfg = self.settings(**{"max_new_tokens": new_tokens, "overflow": "truncate", **settings})  # preset's budget
             stats += [e.stats for e in self.generate(document, question, cfg) if isinstance(e, Finished)]
         self.release()
@@ -218,12 +224,14 @@ class Engine:
         out = Output(self.tokenizer, cfg, model.eos_ids)
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
         decoder = self._decoder(plan, target, ids, generator, out)
+        yield from decoder.prepare()
         prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         forwards, moved = target.forwards, target.cache.moved
         captured = self.graphs.capture_s if self.graphs else 0.0
         yield from decoder.run()
-        self.costs.learn(plan.placement.offloaded, len(ids), cfg.budget, self._drafter_name(cfg), decoder.measured())
+        self.costs.learn(plan.placement.offloaded, len(ids), cfg.is_greedy, cfg.budget, self._drafter_name(cfg),
+                         decoder.measured())
         warmup_s = (self.graphs.capture_s if self.graphs else 0.0) - captured
         decode_s = time.perf_counter() - t1 - warmup_s  # capturing graphs (first use of a shape) is not decoding
         n, forwards = len(out.ids), target.forwards - forwards
@@ -245,8 +253,8 @@ class Engine:
         if cfg.method == "ar":
             return Autoregressive(target, ids, cfg, generator, out)
         drafter = self.drafter(plan, ids, generator)
-        estimates = Estimates(self.costs.costs(plan.placement.offloaded, len(ids), cfg.budget, drafter.name)) \
-            if cfg.method == "auto" else None
+        estimates = self.costs.estimates(plan.placement.offloaded, len(ids), cfg.is_greedy, cfg.budget,
+                                         drafter.name) if cfg.method == "auto" else None
         return TriForce(target, ids, self.memory.kept.queries, drafter, cfg, generator, out,
                         self.memory.retrieval_cache(plan), self.graphs, self.memory.index_device(plan), estimates)
 

@@ -11,9 +11,15 @@ output distribution. A verification of γ drafts, each accepted with probability
 
 from __future__ import annotations
 
+import copy
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from core.events import verified
+
+T = TypeVar("T")
 
 SWITCH_GAIN = 1.10  # another plan must be expected this much faster to replace the current one
 MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it (and between two reconsiderations)
@@ -70,20 +76,23 @@ def prior(alpha: float) -> Estimate:
     return Estimate(PRIOR_WEIGHT, PRIOR_WEIGHT * alpha)
 
 
-def blend(old: float | None, new: float, weight: float = 0.3) -> float:
-    """Exponential moving average (the first measurement taken as it is)."""
-    return new if old is None else (1 - weight) * old + weight * new
+RECENT = 9  # samples behind each measured cost: their (low) median is the cost, so one stalled round (a GC pause, a
+# busy CPU, a UI thread holding the GIL: delays only ever add) does not steer the plan; a real change wins in a few
 
 
 @dataclass
 class Costs:
-    """Measured milliseconds (None until seen): a level-1 draft per proposed token, a level-2 forward, a level-3
-    forward by its number of new tokens, and the per-round overhead of keeping level 2's cache in step."""
+    """Measured milliseconds (None until seen): level 1 per token asked of it, a level-2 forward, a level-3
+    forward by its number of new tokens, and the per-round overhead of keeping level 2's cache in step; each the
+    low median of its RECENT latest samples (`samples` by figure name, `level3_samples` by rows)."""
 
     level1: float | None = None
     level2: float | None = None
     level3: dict[int, float] = field(default_factory=dict)
     overhead: float = 0.0
+    samples: dict[str, deque] = field(default_factory=dict, repr=False)
+    level3_samples: dict[int, deque] = field(default_factory=dict, repr=False)
+    borrowed: bool = False  # level3 was measured at another prompt length: its first measurement here rescales it
 
     def verify(self, rows: int) -> float | None:
         """A level-3 forward over `rows` new tokens: measured, else linear through the nearest measured sizes, or
@@ -98,42 +107,98 @@ class Costs:
         a, b = (max(r for r in sizes if r < rows), above[0]) if above else (sizes[-2], sizes[-1])
         return max(self.level3[a], self.level3[a] + (self.level3[b] - self.level3[a]) * (rows - a) / (b - a))
 
-    def observe(self, level1_tokens: int, level1_ms: float, level2_forwards: int, level2_ms: float,
+    def observe(self, level1_asked: int, level1_ms: float, level2_forwards: int, level2_ms: float,
                 level3_rows: int, level3_ms: float, overhead_ms: float) -> None:
-        """One round's measurements: level 1's time for the tokens it proposed, level 2's for its forwards, the
-        level-3 forward over `level3_rows` new tokens, and the round's overhead."""
-        if level1_tokens:
-            self.level1 = blend(self.level1, level1_ms / level1_tokens)
+        """One round's measurements: level 1's time for the tokens it was asked for (prompt lookup often proposes
+        none, and pays for looking all the same), level 2's for its forwards, the level-3 forward over
+        `level3_rows` new tokens, and the round's overhead."""
+        if level1_asked:
+            self.level1 = _sample(self.samples, "level1", level1_ms / level1_asked)
         if level2_forwards:
-            self.level2 = blend(self.level2, level2_ms / level2_forwards)
-            self.overhead = blend(self.overhead, overhead_ms)
-        self.level3[level3_rows] = blend(self.level3.get(level3_rows), level3_ms)
+            self.level2 = _sample(self.samples, "level2", level2_ms / level2_forwards)
+            self.overhead = _sample(self.samples, "overhead", overhead_ms)
+        if self.borrowed and (then := self.verify(level3_rows)):  # a longer prompt scales every size alike
+            self.level3 = {rows: ms * level3_ms / then for rows, ms in self.level3.items()}
+        self.borrowed = False
+        self.level3[level3_rows] = _sample(self.level3_samples, level3_rows, level3_ms)
+
+    def figures(self) -> list[float]:
+        """Every cost measured, in milliseconds."""
+        return [ms for ms in (self.level1, self.level2, *self.level3.values()) if ms is not None]
 
 
 class CostBook:
-    """Costs measured by earlier runs of one engine, so that a run starts from them: level-3 steps by regime
-    (offloaded or not) and prompt length (its power of two), levels 1 and 2 also by budget and drafter."""
+    """What earlier runs of one engine measured, so that a run starts from it: step costs (their recent samples too)
+    and the acceptances a run of the same kind ended with (as priors: a second run on a document starts from what
+    the first one saw). Level-3 steps are kept by regime: offloaded or not, prompt length (its power of two),
+    greedy or sampled (a sampled row pays for its distribution); levels 1 and 2 and the acceptances also by budget
+    and drafter."""
 
     def __init__(self):
-        self.level3: dict[tuple, dict[int, float]] = {}
-        self.levels: dict[tuple, tuple[float | None, float | None, float]] = {}
+        self.level3: dict[tuple, Costs] = {}
+        self.levels: dict[tuple, Costs] = {}
+        self.acceptance: dict[tuple, dict[str, float]] = {}  # by run kind: Estimates field -> rate
 
     @staticmethod
-    def _keys(offloaded: bool, prompt_tokens: int, budget: int, drafter: str) -> tuple[tuple, tuple]:
-        regime = (offloaded, prompt_tokens.bit_length())
+    def _keys(offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, drafter: str) -> tuple[tuple, tuple]:
+        regime = (offloaded, prompt_tokens.bit_length(), greedy)
         return regime, (*regime, budget, drafter)
 
-    def costs(self, offloaded: bool, prompt_tokens: int, budget: int, drafter: str) -> Costs:
-        """What is known for a run of this kind (a copy: the run's measurements go back through learn)."""
-        regime, run = self._keys(offloaded, prompt_tokens, budget, drafter)
-        level1, level2, overhead = self.levels.get(run, (None, None, 0.0))
-        return Costs(level1, level2, dict(self.level3.get(regime, {})), overhead)
+    @staticmethod
+    def _nearest(table: dict[tuple, T], key: tuple, other: bool = False) -> tuple[T | None, bool]:
+        """The entry of `key` (unless `other`); else that of the nearest prompt length whose other fields match,
+        and True (borrowed); else None."""
+        if key in table and not other:
+            return table[key], False
+        alike = [k for k in table if k[:1] + k[2:] == key[:1] + key[2:] and k != key]
+        return (table[min(alike, key=lambda k: abs(k[1] - key[1]))], True) if alike else (None, False)
 
-    def learn(self, offloaded: bool, prompt_tokens: int, budget: int, drafter: str, costs: Costs) -> None:
-        regime, run = self._keys(offloaded, prompt_tokens, budget, drafter)
-        self.level3.setdefault(regime, {}).update(costs.level3)
+    def estimates(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, drafter: str) -> Estimates:
+        """What is known for a run of this kind (a copy: the run's measurements go back through learn). What no run
+        of this prompt length measured, the nearest length's figures stand in for, without their samples (the run's
+        first measurements replace them); its level-3 sizes scaled by a size both lengths measured (an
+        autoregressive run on the document, say), else by the run's first level-3 measurement. A first auto run on
+        a new document then starts as a second one would, instead of spending rounds on measuring."""
+        regime, run = self._keys(offloaded, prompt_tokens, greedy, budget, drafter)
+        own, near = self.level3.get(regime, Costs()), self._nearest(self.level3, regime, other=True)[0]
+        level3, borrowed = dict(own.level3), False
+        if near is not None and set(near.level3) - set(level3):
+            shared = [rows for rows in level3 if rows in near.level3]
+            scale = level3[shared[0]] / near.level3[shared[0]] if shared else 1.0
+            level3, borrowed = {rows: ms * scale for rows, ms in near.level3.items()} | level3, not shared
+        levels, far = self._nearest(self.levels, run)
+        levels = levels or Costs()
+        e = Estimates(copy.deepcopy(Costs(levels.level1, levels.level2, level3, levels.overhead,
+                                          {} if far else levels.samples, own.level3_samples, borrowed)))
+        for name, alpha in (self._nearest(self.acceptance, run)[0] or {}).items():
+            setattr(e, name, prior(alpha))
+        return e
+
+    def learn(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, drafter: str,
+              e: Estimates) -> None:
+        """Keep a run's measurements: its level-3 sizes beside those of other runs of the regime, its levels 1-2,
+        the acceptances it observed."""
+        regime, run = self._keys(offloaded, prompt_tokens, greedy, budget, drafter)
+        costs = e.costs
+        full = self.level3.setdefault(regime, Costs())
+        full.level3.update(costs.level3)
+        full.level3_samples.update(copy.deepcopy(costs.level3_samples))
         if costs.level2 is not None or costs.level1 is not None:
-            self.levels[run] = (costs.level1, costs.level2, costs.overhead)
+            self.levels[run] = copy.deepcopy(costs)
+        seen = {name: a.rate for name in ACCEPTANCES if (a := getattr(e, name)) is not None and a.verified > PRIOR_WEIGHT}
+        self.acceptance[run] = self.acceptance.get(run, {}) | seen
+
+    def figures(self) -> list[float]:
+        """Every cost the book holds, in milliseconds."""
+        return [ms for costs in (*self.level3.values(), *self.levels.values()) for ms in costs.figures()]
+
+
+def _sample(windows: dict, figure: str | int, ms: float) -> float:
+    """Add one measurement of a figure to its window; the figure's new value, the window's low median (of two
+    samples the lower: a stall only ever adds time)."""
+    window = windows.setdefault(figure, deque(maxlen=RECENT))
+    window.append(ms)
+    return statistics.median_low(window)
 
 
 def expected_tokens(alpha: float, gamma: float) -> float:
@@ -154,6 +219,9 @@ class Estimates:
     offered: Estimate = field(default_factory=lambda: prior(1.0))  # verified: asked; accepted: given
 
 
+ACCEPTANCES = ("a1", "a2", "a13", "offered")  # the Estimates fields a next run of the same kind starts from
+
+
 def rate(h: Hierarchy, e: Estimates) -> float | None:
     """Expected tokens per millisecond of `h` (None while a cost it needs is unmeasured)."""
     c = e.costs
@@ -165,18 +233,22 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
     given = e.offered.rate
     if h.level2:  # level 2 makes γ2 tokens, each level-2 forward checking γ1 level-1 tokens when level 1 drafts
         per_forward = expected_tokens(e.a1.rate, given * h.gamma1) if h.level1 else 1.0
-        forward = c.level2 + (h.gamma1 * given * c.level1 if h.level1 else 0.0)
+        forward = c.level2 + (h.gamma1 * c.level1 if h.level1 else 0.0)
         return expected_tokens(e.a2.rate, h.gamma2) / (h.gamma2 * forward / per_forward + verify + c.overhead)
     alpha = (e.a13 or e.a1).rate
-    return expected_tokens(alpha, given * h.gamma2) / (given * h.gamma2 * c.level1 + verify)
+    return expected_tokens(alpha, given * h.gamma2) / (h.gamma2 * c.level1 + verify)
 
 
-def candidates(level1: bool, gamma1_max: int, gamma2_max: int) -> list[Hierarchy]:
-    """The hierarchies and γs a run weighs (level 1 only where a drafter is there)."""
+def candidates(level1: bool, gamma1_max: int, gamma2_max: int, level2: bool = True) -> list[Hierarchy]:
+    """The hierarchies and γs a run weighs (level 1 only where a drafter is there, level 2 only where its cache
+    leaves part of the prompt out)."""
     gammas = [g for g in GAMMAS if g < gamma2_max] + [gamma2_max]
-    out = [AUTOREGRESSIVE] + [Hierarchy(False, True, 0, g) for g in gammas]
+    out = [AUTOREGRESSIVE]
+    if level2:
+        out += [Hierarchy(False, True, 0, g) for g in gammas]
     if level1:
         out += [Hierarchy(True, False, 0, g) for g in gammas]
+    if level1 and level2:
         out += [Hierarchy(True, True, g1, g2) for g1 in range(1, gamma1_max + 1) for g2 in gammas]
     return out
 
@@ -194,13 +266,15 @@ class Planner:
     costs what its copies do however few tokens it verifies, so the verification measured stands for an AR step,
     which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds and
     WEIGH_EVERY_MS of decoding have passed since it last looked, it weighs the candidates again and switches when
-    another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times."""
+    another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times. `level1`: a drafter is there;
+    `level2`: level 2's cache leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
 
     estimates: Estimates
     level1: bool
     gamma1_max: int
     gamma2_max: int
     streamed: bool = False
+    level2: bool = True
     current: Hierarchy | None = None
     rounds: int = 0  # in the current plan
     switches: int = 0
@@ -209,13 +283,17 @@ class Planner:
     options: list[Hierarchy] = field(init=False)  # the candidates it weighs
 
     def __post_init__(self):
-        self.options = candidates(self.level1, self.gamma1_max, self.gamma2_max)
+        self.options = candidates(self.level1, self.gamma1_max, self.gamma2_max, self.level2)
 
     def choose(self) -> Hierarchy:
         """The hierarchy of the next round."""
         c = self.estimates.costs
-        fullest = Hierarchy(self.level1, True, self.gamma1_max if self.level1 else 0, min(6, self.gamma2_max))
-        if c.level2 is None or (self.level1 and c.level1 is None) or not set(c.level3) - {1}:
+        if self.options == [AUTOREGRESSIVE]:
+            return self._set(AUTOREGRESSIVE, "no level can draft: the retrieval budget covers the whole prompt (level 2 "
+                                             "would read what level 3 reads) and no level-1 drafter is there")
+        fullest = Hierarchy(self.level1, self.level2, self.gamma1_max if self.level1 and self.level2 else 0,
+                            min(6, self.gamma2_max))
+        if (self.level2 and c.level2 is None) or (self.level1 and c.level1 is None) or not set(c.level3) - {1}:
             return self._set(fullest, "measuring what each level costs")
         if 1 not in c.level3 and not self.streamed:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
@@ -255,12 +333,12 @@ class Planner:
         self.reason = reason
         return h
 
-    def observe(self, level1_tokens: int, level1_ms: float, level2_forwards: int, level2_ms: float,
+    def observe(self, level1_asked: int, level1_ms: float, level2_forwards: int, level2_ms: float,
                 level3_rows: int, level3_ms: float, overhead_ms: float) -> None:
         """One round's measured costs (as Costs.observe takes them)."""
         self.rounds += 1
         self.since_weighed_ms += level1_ms + level2_ms + level3_ms + overhead_ms
-        self.estimates.costs.observe(level1_tokens, level1_ms, level2_forwards, level2_ms, level3_rows, level3_ms,
+        self.estimates.costs.observe(level1_asked, level1_ms, level2_forwards, level2_ms, level3_rows, level3_ms,
                                      overhead_ms)
 
     def level1_checked(self, by: int, asked: int, proposed: int, accepted: int) -> None:

@@ -9,6 +9,7 @@ from typing import Generator, Iterator
 
 import torch
 
+from core.autoregressive import next_token
 from core.config import GenerationConfig
 from core.cuda_graphs import Graphs, clock
 from core.drafters import Drafter
@@ -33,9 +34,8 @@ class Draft:
     provenance: list[Provenance] = field(default_factory=list)
     level1_s: float = 0.0
     level2_s: float = 0.0
-    level1_tokens: int = 0  # proposed by level 1
+    asked: int = 0  # level-1 tokens asked for (whether proposed or not: a drafter's cost is per token asked)
     level2_forwards: int = 0
-    asked: int = 0  # level-1 tokens asked for, when level 1 drafts for level 3 directly
 
 
 class TriForce:
@@ -54,10 +54,10 @@ class TriForce:
         self.graphs = graphs
         self.cfg, self.generator, self.out = cfg, generator, out
         level1 = drafter.name != "none"
-        self.planner = Planner(estimates, level1, cfg.gamma1, cfg.gamma2, streamed=not target.cache.resident) \
-            if estimates else None
         model = target.model
         self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
+        self.planner = Planner(estimates, level1, cfg.gamma1, cfg.gamma2, streamed=not target.cache.resident,
+                               level2=self.retrieval.n_select < self.retrieval.index.num_chunks) if estimates else None
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs, drafting=True)
         self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
         self.counts = Acceptance()
@@ -65,10 +65,14 @@ class TriForce:
         self.plans: list[str] = []  # the planner's choices, in order
         self.costs = estimates.costs if estimates else Costs()  # what each level's steps took
 
+    def prepare(self) -> Iterator[Event]:
+        """Before decoding: level 2's first selection, with the queries the prefill recorded for the last prompt
+        row (part of filling the caches, as in the paper; a first use of new sizes may compile kernels)."""
+        yield self.retrieval.select(self.queries, -1, 0, self.target.cache.seq_len)
+
     def run(self) -> Iterator[Event]:
         """The rounds' events: plans, proposals, verdicts, tokens, selections, timings."""
         cfg, target, retrieval = self.cfg, self.target, self.retrieval
-        yield retrieval.select(self.queries, -1, 0, target.cache.seq_len)
         seq = list(self.prompt)
         round_ = 0
         feature = None  # the target's hidden state that produced seq's last token (none for the prompt's)
@@ -89,11 +93,15 @@ class TriForce:
             t0 = clock(self.graphs)
             reselect = h.level2 and retrieval.policy.due(round_)
             n = len(draft.tokens)
-            h3 = target.states(seq, n + 1, committed, draft.tokens, record=n + 1 if reselect else 0)
-            p3 = distributions(self.repetition(target.head(h3), seq, draft.tokens), cfg)
-            accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q) if draft.q else None, p3,
-                                                 self.generator)
-            feature = h3[accepted]
+            if n or reselect:
+                h3 = target.states(seq, n + 1, committed, draft.tokens, record=n + 1 if reselect else 0)
+                p3 = distributions(self.repetition(target.head(h3), seq, draft.tokens), cfg)
+                accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q) if draft.q else None, p3,
+                                                     self.generator)
+                feature = h3[accepted]
+            else:  # nothing to verify: the step method ar takes (the same draw: verifying no drafts samples p)
+                accepted, (token, h3, _) = 0, next_token(target, seq, self.repetition, cfg, self.generator)
+                feature = h3[0]
             level3_s = clock(self.graphs) - t0
             self.counts.count(2 if h.level2 else 1, n, accepted)  # (level 1's drafts checked by level 3 directly)
             if self.planner and h.level2:
@@ -108,7 +116,7 @@ class TriForce:
                 event = retrieval.select(target.queries, accepted, round_ + 1, committed + accepted)
                 selection_s = event.seconds
                 yield event
-            measured = (draft.level1_tokens, draft.level1_s * 1e3, draft.level2_forwards, draft.level2_s * 1e3,
+            measured = (draft.asked, draft.level1_s * 1e3, draft.level2_forwards, draft.level2_s * 1e3,
                         n + 1, level3_s * 1e3, (sync_s + selection_s) * 1e3)
             if self.planner:
                 self.planner.observe(*measured)
@@ -126,9 +134,9 @@ class TriForce:
                          level1.cache.nbytes if level1 else 0, level1.model.step_weight_bytes() if level1 else 0,
                          plans=self.plans)
 
-    def measured(self) -> Costs:
-        """What the steps of each level took in this run."""
-        return self.costs
+    def measured(self) -> Estimates:
+        """What the steps of each level took in this run, and (method auto) the acceptances seen."""
+        return self.planner.estimates if self.planner else Estimates(self.costs)
 
     def draft(self, h: Hierarchy, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
               ) -> Generator[Event, None, Draft]:
@@ -143,7 +151,7 @@ class TriForce:
             t0 = clock(self.graphs)
             proposal = self.drafter.propose(seq, want, committed, (), feature)
             draft.level1_s = clock(self.graphs) - t0
-            draft.tokens, draft.asked, draft.level1_tokens = proposal.tokens, want, len(proposal.tokens)
+            draft.tokens, draft.asked = proposal.tokens, want
             if proposal.tokens:
                 q = proposal.q if proposal.q is not None else \
                     torch.nn.functional.one_hot(torch.tensor(proposal.tokens, device=self.target.model.device),
@@ -172,7 +180,7 @@ class TriForce:
             draft.level1_s += t1 - t0
             draft.level2_s += clock(self.graphs) - t1
             self.counts.count(1, len(proposals), accepted)
-            draft.level1_tokens += len(proposals)
+            draft.asked += asked
             draft.level2_forwards += 1
             if self.planner and asked:
                 self.planner.level1_checked(2, asked, len(proposals), accepted)

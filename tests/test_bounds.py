@@ -10,7 +10,7 @@ import torch
 import core.triforce
 from core.config import GenerationConfig
 from core.engine import Engine
-from core.events import Finished, PrefillProgress, Tokens
+from core.events import Finished, PlanChosen, PrefillProgress, Tokens
 from core.kvcache import KVCache
 from core.ops import DECODE_TOKENS
 from tests.tiny import DigitTokenizer, tiny_config, tiny_pair
@@ -139,14 +139,33 @@ def test_level2_drafts_no_more_than_the_answer_wants(monkeypatch, drafter):
 def test_warm_up_runs_each_path_and_keeps_no_prompt_cache(embedded):
     """Engine.warm_up (the app runs it before serving on a GPU) goes through AR, greedy and sampled TriForce and
     method auto on a real prompt, one verification as long as a decode step gets (the largest GEMV block compiles
-    then, not in a request), then gives back its caches, so a first request starts clean."""
+    then, not in a request), then gives back its caches, so a first request starts clean -- and from the costs the
+    warm-up measured: a first auto run on a longer document spends no round on measuring them."""
     stats = embedded.warm_up(new_tokens=4)
     assert [(s.method, s.settings["greedy"]) for s in stats] == [("ar", True), ("triforce", True), ("triforce", False),
                                                                  ("auto", False)]
-    assert all(s.new_tokens > 0 and s.prompt_tokens > 500 for s in stats)
+    assert all(s.new_tokens > 0 and 500 < s.prompt_tokens < 1024 for s in stats)
     assert stats[2].level2_proposed > 0
-    assert any(DECODE_TOKENS in rows for rows in embedded.costs.level3.values())  # level-3 steps measured, by rows
+    assert any(DECODE_TOKENS in c.level3 for c in embedded.costs.level3.values())  # level-3 steps measured, by rows
     assert not embedded.memory.caches()
+    document = "\n".join(f"Line {i}: the {i % 7}th verse of the long song." for i in range(150))  # ~2K tokens
+    with torch.no_grad():
+        events = list(embedded.generate(document, "Sing on.", embedded.settings(method="auto", greedy=True,
+                                                                                 max_new_tokens=4)))
+    plans = [e for e in events if isinstance(e, PlanChosen)]
+    assert events[-1].stats.prompt_tokens > 1024 and plans and not plans[0].reason.startswith("measuring")
+
+
+def test_level_2s_first_selection_is_filled_before_decoding_starts(embedded):
+    """The first selection (from the prefill's last queries) belongs to filling the caches, as in the paper: it
+    comes before the first plan and token, and its time is prefill time, not decoding time."""
+    with torch.no_grad():
+        events = list(embedded.generate("A short note about chunks and caches. " * 40, "Go on.",
+                                        embedded.settings(method="auto", max_new_tokens=4)))
+    kinds = [type(e).__name__ for e in events]
+    first = kinds.index("RetrievalSelection")
+    assert first < kinds.index("PlanChosen") and first < kinds.index("Tokens")
+    assert events[-1].stats.prefill_s >= events[first].seconds
 
 
 def test_a_streaming_window_larger_than_the_prompt_is_clamped_and_stays_exact():
