@@ -130,16 +130,16 @@ def shape_key(key: str, shape: str) -> str:
     return key if shape == "llama2_7b" else f"{key.removesuffix('_7b')}_{shape}"
 
 
-def random_model(shape: dict) -> Transformer:
-    """Our Transformer at a config shape with random bf16 weights on the GPU, fused for decoding; built in bf16 (a
-    float32 copy converted afterwards leaves the allocator's segments half used: ~6 GiB lost at the 7B shape, which
-    a run held to a 24 GiB budget cannot spare)."""
+def random_model(shape: dict, device: torch.device = DEV, dtype: torch.dtype = BF16) -> Transformer:
+    """Our Transformer at a config shape with random weights (bf16 on the GPU by default), fused for decoding; built
+    in its dtype (a float32 copy converted afterwards leaves the allocator's segments half used: ~6 GiB lost at the
+    7B shape, which a run held to a 24 GiB budget cannot spare)."""
     from transformers import LlamaConfig
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(BF16)
+    torch.set_default_dtype(dtype)
     try:
-        with torch.device(DEV):
+        with torch.device(device):
             model = Transformer(LlamaConfig(**shape)).eval().requires_grad_(False)
     finally:
         torch.set_default_dtype(default)

@@ -21,7 +21,8 @@ slow  A slow upload beside a short run: while one client uploads a crafted PDF (
       python -m bench.served slow [--runs 5] [--pdfs pages-2000 pages-900] [--max-wait 120]
 scale the app at a document's full length (summary.app_scale): the first and the second greedy Compare click and a
       sampled one (speedups), a TriForce-tab run (its heatmap), the largest frame any of them streamed, the server's
-      RSS after the first and the last click (ten by default), then the same sampled runs through Engine.generate
+      RSS after the first and the last click (ten by default), Stop during the prefill of a new document (the first
+      progress line, and how soon a short run then finished), then the same sampled runs through Engine.generate
       once the app has stopped (the app's tokens/s over the engine's, per method). Random weights are built as
       bench.common's random models are (PyTorch's default initialisation, not transformers': that one's attention
       is near uniform, where retrieval means nothing).
@@ -41,6 +42,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -345,6 +347,26 @@ def cut(tokenizer, tokens: int) -> str:
     return tokenizer.decode(ids[:tokens])
 
 
+def stop_probe(client, document: str, preset: str, common: dict) -> dict:
+    """Prefill progress and Stop on a document the app has not prefilled: a TriForce-tab run whose status lines are
+    read while it prefills, Stop once one reports progress, then the seconds until a short run has finished (a Stop
+    that did not end the prefill would keep the app busy until the whole prompt was in)."""
+    fresh = "A second copy.\n\n" + document  # other ids from the first token on: nothing to reuse
+    job = client.submit(document=fresh, instruction=QUESTION, preset_name=preset, **common, api_name="/triforce")
+    t0 = time.monotonic()
+    progress: list[str] = []
+    while not progress and not job.done() and time.monotonic() - t0 < 300:
+        time.sleep(0.1)
+        progress = [frame[0] for frame in job.outputs() if re.search(r"Prefill: [1-9]\d*% of", frame[0])]
+    seen_s = time.monotonic() - t0
+    finished_first = job.done()
+    job.cancel()
+    client.predict(document=document[:2000], instruction=QUESTION, preset_name=preset,
+                   **{**common, "max_new_tokens": 4}, api_name="/triforce")
+    return {"first_progress_s": seen_s, "progress_line": progress[0] if progress else None,
+            "finished_before_stop": finished_first, "short_run_done_after_stop_s": time.monotonic() - t0 - seen_s}
+
+
 def scale(args: argparse.Namespace) -> None:
     """summary.app_scale: Compare clicks and a TriForce run through the served app at the document's full length,
     the largest frame, the RSS after the first and the last click, then the engine's own tokens/s."""
@@ -386,6 +408,8 @@ def scale(args: argparse.Namespace) -> None:
                               "wall_s": time.monotonic() - t0}
             print(name, f"{time.monotonic() - t0:.0f} s, largest frame {biggest:,} bytes, RSS {rss[-1]:.0f} MiB",
                   json.dumps(rows.get(name, {})), flush=True)
+        rows["stop"] = stop_probe(client, document, preset, common)
+        print("stop", json.dumps(rows["stop"]), flush=True)
     rows["rss_mib"], rows["load_average_during_app"] = rss, os.getloadavg()
     chosen = dict(preset_by_name(EMBEDDED).settings) if target is None else {}  # what the app's panel started from
     rows |= engine_figures(target, draft or None, document, {f"engine_sampled_{method}": {
@@ -399,7 +423,8 @@ def scale(args: argparse.Namespace) -> None:
         "app_over_engine_ar": sampled["ar_tokens_per_s"] / rows["engine_sampled_ar"]["tokens_per_s"],
         "app_over_engine_triforce": sampled["triforce_tokens_per_s"]
         / rows[f"engine_sampled_{args.method}"]["tokens_per_s"],
-        "max_frame_bytes": max(frames), f"rss_growth_after_{len(rss)}": rss[-1] / rss[0] - 1, "method": args.method}
+        "max_frame_bytes": max(frames), f"rss_growth_after_{len(rss)}": rss[-1] / rss[0] - 1, "method": args.method,
+        "stop_short_run_done_after_s": rows["stop"]["short_run_done_after_stop_s"]}
     print(rows["summary"], flush=True)
     if torch.cuda.is_available():
         results = GpuResults(args.out, ["app_scale"])
