@@ -146,16 +146,17 @@ class CostBook:
 
     @staticmethod
     def _nearest(table: dict[tuple, T], key: tuple, other: bool = False) -> tuple[T | None, bool]:
-        """The entry of `key` (unless `other`); else that of the nearest prompt length whose other fields match,
-        and True (borrowed); else None."""
+        """The entry of `key` (unless `other`); else, and True (borrowed), that of the nearest kind alike in all but
+        prompt length and sampling: the same sampling first, then the nearest length; else None."""
         if key in table and not other:
             return table[key], False
-        alike = [k for k in table if k[:1] + k[2:] == key[:1] + key[2:] and k != key]
-        return (table[min(alike, key=lambda k: abs(k[1] - key[1]))], True) if alike else (None, False)
+        alike = [k for k in table if k[:1] + k[3:] == key[:1] + key[3:] and k != key]
+        nearest = min(alike, key=lambda k: (k[2] != key[2], abs(k[1] - key[1])), default=None)
+        return (table[nearest], True) if nearest else (None, False)
 
     def estimates(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, drafter: str) -> Estimates:
         """What is known for a run of this kind (a copy: the run's measurements go back through learn). What no run
-        of this prompt length measured, the nearest length's figures stand in for, without their samples (the run's
+        of this kind measured, the nearest kind's figures stand in for (_nearest), without their samples (the run's
         first measurements replace them); its level-3 sizes scaled by a size both lengths measured (an
         autoregressive run on the document, say), else by the run's first level-3 measurement. A first auto run on
         a new document then starts as a second one would, instead of spending rounds on measuring."""

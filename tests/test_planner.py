@@ -69,14 +69,18 @@ def test_one_stalled_round_does_not_steer_a_cost_but_a_lasting_change_does():
 
 
 def test_the_cost_book_keeps_greedy_and_sampled_runs_apart_and_merges_level_3_sizes():
-    """A sampled row pays for its distribution, a greedy one does not: their costs are kept apart. An
-    autoregressive run's one-row steps join the sizes an earlier auto run measured."""
+    """A sampled row pays for its distribution, a greedy one does not: their costs are kept apart (greedy figures
+    stand in for sampled ones only until those are measured). An autoregressive run's one-row steps join the sizes
+    an earlier auto run measured."""
     book, auto = CostBook(), Estimates()
     auto.costs.observe(2, 2.0, 1, 3.0, 7, 9.0, 0.5)
     book.learn(False, 1000, True, 512, "model", auto)
     assert book.estimates(False, 1000, True, 512, "model").costs.level2 == 3.0
     sampled = book.estimates(False, 1000, False, 512, "model").costs
-    assert sampled.level2 is None and not sampled.level3
+    assert (sampled.level2, sampled.level3) == (3.0, {7: 9.0}) and sampled.borrowed  # stand-ins, until measured
+    sampled.observe(0, 0.0, 0, 0.0, 7, 18.0, 0.0)
+    book.learn(False, 1000, False, 512, "model", Estimates(sampled))
+    assert book.estimates(False, 1000, True, 512, "model").costs.level3[7] == 9.0  # greedy's own figures stay
     ar = Estimates()
     ar.costs.observe(0, 0.0, 0, 0.0, 1, 4.0, 0.0)
     book.learn(False, 1000, True, 512, "model", ar)
