@@ -76,8 +76,10 @@ def prior(alpha: float) -> Estimate:
     return Estimate(PRIOR_WEIGHT, PRIOR_WEIGHT * alpha)
 
 
-RECENT = 9  # samples behind each measured cost: their (low) median is the cost, so one stalled round (a GC pause, a
-# busy CPU, a UI thread holding the GIL: delays only ever add) does not steer the plan; a real change wins in a few
+# Samples behind each measured cost: their low median is the cost, so that one stalled round (a GC pause, a busy CPU,
+# a UI thread holding the GIL: delays only ever add time) does not steer the plan, and a lasting change wins within a
+# few rounds.
+RECENT = 9
 
 
 @dataclass
@@ -152,7 +154,7 @@ class CostBook:
             return table[key], False
         alike = [k for k in table if k[:1] + k[3:] == key[:1] + key[3:] and k != key]
         nearest = min(alike, key=lambda k: (k[2] != key[2], abs(k[1] - key[1])), default=None)
-        return (table[nearest], True) if nearest else (None, False)
+        return (table[nearest], True) if nearest is not None else (None, False)
 
     def estimates(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, drafter: str) -> Estimates:
         """What is known for a run of this kind (a copy: the run's measurements go back through learn). What no run
