@@ -6,6 +6,7 @@ runs it, the first two AR + auto pairs taken apart (what a first click pays that
 
 python -m bench.auto_overhead --shape smollm2_135m --tokenizer DIR [--doc-tokens 8000] [--pairs 6]   # on a GPU
 python -m bench.auto_overhead --shape tiny_49k --tokenizer DIR --doc-tokens 2000                       # on a CPU
+python -m bench.auto_overhead --shape embedded --doc-tokens 7900 --new-tokens 64 --pairs 3   # the embedded model
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def first_runs(engine: Engine, doc: str, new_tokens: int) -> dict:
     out = {}
     for click in ("first", "second"):
         for method in ("ar", "auto"):
-            out[f"{click} {method}"] = anatomy(engine, doc, GenerationConfig(method=method, greedy=True,
-                                                                             max_new_tokens=new_tokens))
+            out[f"{click} {method}"] = anatomy(engine, doc, engine.settings(method=method, greedy=True,
+                                                                            max_new_tokens=new_tokens))
             print(click, method, {k: v for k, v in out[f"{click} {method}"].items() if k != "plans"}, flush=True)
     return out
 
@@ -71,28 +72,34 @@ def own_times(engine: Engine, doc: str, cfg: GenerationConfig) -> dict[str, floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2_135m")
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--shape", choices=sorted(SHAPES) + ["embedded"], default="smollm2_135m",
+                   help="random weights at this shape, or the embedded model with its preset's settings")
+    p.add_argument("--tokenizer", help="tokenizer directory for a random shape")
     p.add_argument("--doc-tokens", type=int, default=8000)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--budget", type=int, default=None, help="retrieval budget (default: the method's)")
     args = p.parse_args()
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    shape = SHAPES[args.shape]
     on_gpu = torch.cuda.is_available()
-    model = random_model({**shape, "vocab_size": max(shape["vocab_size"], len(tok))},
-                         *(() if on_gpu else (torch.device("cpu"), torch.float32)))
-    model.eos_ids = set()
-    engine = Engine.from_models(model, tok, f"random {args.shape}", context_length=args.doc_tokens + args.new_tokens
-                                + 1024)
+    if args.shape == "embedded":
+        engine = Engine.load()
+        tok = engine.tokenizer
+    else:
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        shape = SHAPES[args.shape]
+        model = random_model({**shape, "vocab_size": max(shape["vocab_size"], len(tok))},
+                             *(() if on_gpu else (torch.device("cpu"), torch.float32)))
+        model.eos_ids = set()
+        engine = Engine.from_models(model, tok, f"random {args.shape}",
+                                    context_length=args.doc_tokens + args.new_tokens + 1024)
     doc = document(tok, args.doc_tokens)
     first = first_runs(engine, doc, args.new_tokens)
     out: dict = {"first_runs": first, **environment(), "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-                 "shape": args.shape, "doc_tokens": args.doc_tokens, "new_tokens": args.new_tokens, "runs": {}}
+                 "shape": args.shape, "model": engine.target_name, "doc_tokens": args.doc_tokens,
+                 "new_tokens": args.new_tokens, "runs": {}}
     for sampling, settings in (("greedy", {"greedy": True}), ("sampled", SAMPLED)):
-        cfgs = {m: GenerationConfig(method=m, max_new_tokens=args.new_tokens, budget=args.budget, **settings)
-                for m in ("ar", "auto")}
+        cfgs = {m: engine.settings(method=m, max_new_tokens=args.new_tokens, overflow="truncate", **settings,
+                                   **({"budget": args.budget} if args.budget else {})) for m in ("ar", "auto")}
         for cfg in cfgs.values():  # compiles, captures and the planner's first measurements, untimed
             run(engine, doc, cfg)
         rows = {m: [] for m in cfgs}

@@ -188,7 +188,8 @@ class CostBook:
         full.level3_samples.update(copy.deepcopy(costs.level3_samples))
         if costs.level2 is not None or costs.level1 is not None:
             self.levels[run] = copy.deepcopy(costs)
-        seen = {name: a.rate for name in ACCEPTANCES if (a := getattr(e, name)) is not None and a.verified > PRIOR_WEIGHT}
+        seen = {name: a.rate for name in ACCEPTANCES
+                if (a := getattr(e, name)) is not None and a.verified > PRIOR_WEIGHT}  # observed, not a prior
         self.acceptance[run] = self.acceptance.get(run, {}) | seen
 
     def figures(self) -> list[float]:
@@ -292,8 +293,8 @@ class Planner:
         """The hierarchy of the next round."""
         c = self.estimates.costs
         if self.options == [AUTOREGRESSIVE]:
-            return self._set(AUTOREGRESSIVE, "no level can draft: the retrieval budget covers the whole prompt (level 2 "
-                                             "would read what level 3 reads) and no level-1 drafter is there")
+            return self._set(AUTOREGRESSIVE, "no level can draft: the retrieval budget covers the whole prompt "
+                                             "(level 2 would read what level 3 reads) and no level-1 drafter is there")
         fullest = Hierarchy(self.level1, self.level2, self.gamma1_max if self.level1 and self.level2 else 0,
                             min(6, self.gamma2_max))
         if (self.level2 and c.level2 is None) or (self.level1 and c.level1 is None) or not set(c.level3) - {1}:
