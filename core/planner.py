@@ -187,7 +187,8 @@ class CostBook:
         full.level3.update(costs.level3)
         full.level3_samples.update(copy.deepcopy(costs.level3_samples))
         if costs.level2 is not None or costs.level1 is not None:
-            self.levels[run] = copy.deepcopy(costs)
+            self.levels[run] = Costs(costs.level1, costs.level2, overhead=costs.overhead,
+                                     samples=copy.deepcopy(costs.samples))  # level 3 lives in self.level3
         seen = {name: a.rate for name in ACCEPTANCES
                 if (a := getattr(e, name)) is not None and a.verified > PRIOR_WEIGHT}  # observed, not a prior
         self.acceptance[run] = self.acceptance.get(run, {}) | seen
