@@ -6,7 +6,7 @@ acceptances at both levels; greedy runs of every method must be token-identical 
 `generate` is the oracle for AR once, in float32.
 
 python -m bench.real --target 1.5B.gguf --draft 0.5B.gguf [--contexts 8192 16384 30000] [--docs code prose needle]
-    [--new-tokens 128] [--parts onchip offload alone oracle anatomy]
+    [--new-tokens 128] [--repeats 1] [--parts onchip offload alone oracle anatomy]
 Writes bench/results/real-<gpu>-<date>.json (updated after every prompt) with summary.real and the real-pair keys
 of summary.planner.
 """
@@ -27,7 +27,8 @@ from bench.common import DOCS, RESULTS, environment, finish, merge_summary, save
 from bench.needle import FILLER, NEEDLE
 from bench.offload import h2d_gb_s
 from core import Engine, GenerationConfig
-from core.events import Finished
+from core.events import Finished, PlanChosen
+from core.planner import AUTOREGRESSIVE, best, candidates, prior, rate
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTRUCTIONS = {"code": "Explain what this code does, module by module.",
@@ -61,14 +62,32 @@ def text_of(kind: str, engine: Engine, tokens: int) -> str:
     return engine.tokenizer.decode(ids)
 
 
-def row(fin: Finished) -> dict:
+def row(fin: Finished, chosen: list[PlanChosen] = ()) -> dict:
     s = fin.stats
     return {"tokens_per_s": s.tokens_per_s, "ms_per_token": 1e3 / s.tokens_per_s if s.tokens_per_s else None,
             "new_tokens": s.new_tokens, "prompt_tokens": s.prompt_tokens, "prefill_s": s.prefill_s,
             "prefill_reused": s.prefill_reused, "level1_acceptance": s.level1_acceptance,
             "level2_acceptance": s.level2_acceptance, "tokens_per_target_forward": s.tokens_per_target_forward,
             "host_link_bytes_per_token": s.host_link_bytes / max(s.new_tokens, 1), "plans": s.plans,
-            "warmup_s": s.warmup_s, "text": fin.text[:300]}
+            "budget": s.settings.get("budget"), "drafter": s.drafter, "plan_log": [[c.round, c.plan, c.reason] for c in chosen], "warmup_s": s.warmup_s, "text": fin.text[:300]}
+
+
+def sampled_row(engine: Engine, doc: str, instruction: str, settings: dict, repeats: int) -> dict:
+    """A sampled method run `repeats` times with seeds 0, 1, ... (a 128-token sampled run's speed depends on what it
+    happened to draw): the first run's row with the speed of all together (tokens over their summed decoding time)
+    and each run's speed, acceptances and plans under "repeats"."""
+    rows = []
+    for seed in range(repeats):
+        chosen: list[PlanChosen] = []
+        rows.append(row(finish(engine, doc, instruction, GenerationConfig(**settings, **SAMPLED, seed=seed),
+                               chosen=chosen), chosen))
+    tokens = sum(r["new_tokens"] for r in rows)
+    seconds = sum(r["new_tokens"] / r["tokens_per_s"] for r in rows)
+    keep = ("tokens_per_s", "level1_acceptance", "level2_acceptance", "plans", "plan_log")
+    return {**rows[0], "tokens_per_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
+            "level1_acceptance": statistics.mean(r["level1_acceptance"] for r in rows),
+            "level2_acceptance": statistics.mean(r["level2_acceptance"] for r in rows),
+            "repeats": [{k: r[k] for k in keep} for r in rows]}
 
 
 def usable(runs: list[tuple[str, dict]], engine: Engine) -> list[tuple[str, dict]]:
@@ -76,23 +95,25 @@ def usable(runs: list[tuple[str, dict]], engine: Engine) -> list[tuple[str, dict
     return [(name, c) for name, c in runs if engine.draft is not None or c.get("drafter") != "model"]
 
 
-def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict) -> dict:
-    """AR greedy and sampled, then every greedy and sampled method, on one prompt (the first run prefills)."""
+def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats: int = 1) -> dict:
+    """AR greedy and sampled, then every greedy and sampled method (sampled ones `repeats` times each), on one prompt
+    (the first run prefills)."""
     out: dict = {"greedy": {}, "sampled": {}}
     ar_greedy = finish(engine, doc, instruction, GenerationConfig(method="ar", greedy=True, **base))
-    ar_sampled = finish(engine, doc, instruction, GenerationConfig(method="ar", **SAMPLED, **base))
-    out["greedy"]["ar"], out["sampled"]["ar"] = row(ar_greedy), row(ar_sampled)
+    out["greedy"]["ar"] = row(ar_greedy)
+    out["sampled"]["ar"] = sampled_row(engine, doc, instruction, dict(method="ar", **base), repeats)
     identical = {}
     for name, settings in usable(GREEDY_RUNS, engine):
-        fin = finish(engine, doc, instruction, GenerationConfig(greedy=True, **settings, **base))
-        out["greedy"][name] = row(fin)
+        chosen: list[PlanChosen] = []
+        fin = finish(engine, doc, instruction, GenerationConfig(greedy=True, **settings, **base), chosen=chosen)
+        out["greedy"][name] = row(fin, chosen)
         identical[name] = fin.token_ids == ar_greedy.token_ids
         if not identical[name]:
             from core.compare import difference_note
             out["greedy"][name]["difference"] = difference_note(ar_greedy.token_ids, fin.token_ids,
                                                                 ar_greedy.stats.near_ties)
     for name, settings in usable(SAMPLED_RUNS, engine):
-        out["sampled"][name] = row(finish(engine, doc, instruction, GenerationConfig(**settings, **SAMPLED, **base)))
+        out["sampled"][name] = sampled_row(engine, doc, instruction, {**settings, **base}, repeats)
     out["greedy_identical"] = identical
     out["near_ties_ar"] = len(ar_greedy.stats.near_ties)
     for sampling in ("greedy", "sampled"):
@@ -100,6 +121,24 @@ def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict) -> dict:
         for name, r in out[sampling].items():
             r["speedup"] = r["tokens_per_s"] / ar if ar and r["tokens_per_s"] else None
     return out
+
+
+def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) -> dict:
+    """What the planner's own cost model says the best plan could reach on this prompt: the step costs the engine's
+    cost book holds for sampled runs of this kind (measured by the runs just made) and the acceptances the sampled
+    fixed-TriForce runs saw, every candidate weighed; beside the costs it used."""
+    model = sampled["triforce-model"]
+    e = engine.costs.estimates(offloaded, prompt_tokens, False, model["budget"], model["drafter"])
+    e.a1, e.a2 = prior(model["level1_acceptance"]), prior(model["level2_acceptance"])
+    e.a13, e.offered = None, prior(1.0)
+    options = candidates(True, GenerationConfig().gamma1, 31)
+    ar = rate(AUTOREGRESSIVE, e)
+    top = best(options, e)
+    c = e.costs
+    return {"level1_ms": c.level1, "level2_ms": c.level2, "overhead_ms": c.overhead,
+            "level3_ms": {str(k): v for k, v in sorted(c.level3.items())}, "a1": model["level1_acceptance"],
+            "a2": model["level2_acceptance"], "best_plan": top[0].name if top else None,
+            "expected_speedup": top[1] / ar if top and ar else None}
 
 
 def sync() -> None:
@@ -191,6 +230,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--parts", nargs="+", default=["onchip", "offload", "alone", "oracle", "anatomy"],
                    choices=["onchip", "offload", "alone", "oracle", "anatomy"])
+    p.add_argument("--repeats", type=int, default=1, help="runs of each sampled method (seeds 0, 1, ...): its speed is "
+                   "that of all of them together")
     p.add_argument("--name", default="real")
     args = p.parse_args()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"  # a CPU: a smoke test of the script
@@ -215,14 +256,16 @@ def main() -> None:
             for kind in args.docs:
                 doc = text_of(kind, engine, ctx)
                 base = dict(max_new_tokens=args.new_tokens, offload="on" if regime == "offload" else "off")
-                result = prompt_runs(engine, doc, INSTRUCTIONS[kind], base)
+                result = prompt_runs(engine, doc, INSTRUCTIONS[kind], base, args.repeats)
+                result["bound"] = bound(engine, result["sampled"]["ar"]["prompt_tokens"], regime == "offload",
+                                        result["sampled"])
                 data.setdefault(regime, {})[f"{kind}@{ctx}"] = result
                 s = result["sampled"]
                 print(f"{regime} {kind}@{ctx}: AR {s['ar']['ms_per_token']:.2f} ms/token; sampled "
                       + ", ".join(f"{n} {r['speedup']:.2f}x" for n, r in s.items() if n != "ar")
                       + f"; L1 {s['triforce-model']['level1_acceptance']:.2f} L2 "
                       f"{s['triforce-model']['level2_acceptance']:.2f}; auto {s['auto']['plans']}; greedy "
-                      f"identical {result['greedy_identical']}", flush=True)
+                      f"identical {result['greedy_identical']}; model bound {result['bound']}", flush=True)
                 data["summary"] = summarise(data, args.contexts)
                 save(name, data)
             if regime == "offload" and "anatomy" in args.parts:
