@@ -26,6 +26,9 @@ MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it (an
 # ... and the decoding time between two reconsiderations: weighing every candidate takes ~0.2 ms of Python, which
 # every 4 one-token rounds of a small model on a GPU (~1.3 ms each) would add ~4 %; this keeps it near 1 % anywhere.
 WEIGH_EVERY_MS = 20.0
+# ... or, where rounds are slow, this much decoding: a round that streams a long cache from host memory takes ~0.3 s,
+# and four of a plan that its first round already showed wrong (prompt lookup proposing nothing) cost a second.
+SETTLE_MS = 200.0
 GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 31)  # the draft lengths weighed (all of 1-31: more cost than use)
 MAX_SWITCHES = 6  # per run, once the costs are measured
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
@@ -166,9 +169,14 @@ class CostBook:
         own, near = self.level3.get(regime, Costs()), self._nearest(self.level3, regime, other=True)[0]
         level3, borrowed = dict(own.level3), False
         if near is not None and set(near.level3) - set(level3):
+            # Scaled by a size measured here: one both lengths measured, else the smallest here against what the
+            # other length's curve says for it (an offloaded run never measures one-row steps, while the
+            # autoregressive run of a Compare click measured only those)
             shared = [rows for rows in level3 if rows in near.level3]
-            scale = level3[shared[0]] / near.level3[shared[0]] if shared else 1.0
-            level3, borrowed = {rows: ms * scale for rows, ms in near.level3.items()} | level3, not shared
+            anchor = shared[0] if shared else min(level3, default=None)
+            then = near.verify(anchor) if anchor is not None else None
+            scale = level3[anchor] / then if then else 1.0
+            level3, borrowed = {rows: ms * scale for rows, ms in near.level3.items()} | level3, not then
         levels, far = self._nearest(self.levels, run)
         levels = levels or Costs()
         e = Estimates(copy.deepcopy(Costs(levels.level1, levels.level2, level3, levels.overhead,
@@ -269,9 +277,9 @@ class Planner:
     """One run's hierarchy, round by round. While costs are unmeasured it measures: a round of the fullest
     hierarchy, then an autoregressive one (unless the full cache is `streamed` from host memory: a full step then
     costs what its copies do however few tokens it verifies, so the verification measured stands for an AR step,
-    which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds and
-    WEIGH_EVERY_MS of decoding have passed since it last looked, it weighs the candidates again and switches when
-    another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times. `level1`: a drafter is there;
+    which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds (or
+    SETTLE_MS of decoding) and WEIGH_EVERY_MS have passed since it last looked, it weighs the candidates again and
+    switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times. `level1`: a drafter is there;
     `level2`: level 2's cache leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
 
     estimates: Estimates
@@ -303,7 +311,8 @@ class Planner:
         if 1 not in c.level3 and not self.streamed:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
         fresh = self.current is None or self.reason.startswith("measuring")
-        due = self.rounds >= MIN_ROUNDS and self.since_weighed_ms >= WEIGH_EVERY_MS and self.switches < MAX_SWITCHES
+        settled = self.rounds >= MIN_ROUNDS or self.since_weighed_ms >= SETTLE_MS
+        due = settled and self.since_weighed_ms >= WEIGH_EVERY_MS and self.switches < MAX_SWITCHES
         if not (fresh or due):
             return self.current
         self.since_weighed_ms = 0.0

@@ -14,7 +14,7 @@ from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.events import Finished, PlanChosen
 from core.model import Transformer
-from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, WEIGH_EVERY_MS, CostBook, Costs, Estimate, Estimates, Hierarchy,
+from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, CostBook, Costs, Estimate, Estimates, Hierarchy,
                           Planner, best, candidates, expected_tokens, prior, rate)
 from tests.lossless import GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
@@ -114,6 +114,20 @@ def test_a_first_run_at_a_new_prompt_length_starts_from_the_nearest_one_measured
     assert after_ar.level3 == {1: 12.0, 7: 18.0} and not after_ar.borrowed  # 7 rows scaled as 1 row is
 
 
+def test_an_offloaded_curve_borrowed_from_another_length_is_scaled_by_the_one_row_step_measured_here():
+    """Offloaded runs never measure a one-row step and a Compare click's autoregressive run measures only that: the
+    other length's curve is scaled to the one-row step measured here, not mixed with it unscaled."""
+    book, warm = CostBook(), Estimates()
+    warm.costs.observe(0, 0.0, 1, 1.0, 7, 19.0, 0.0)
+    warm.costs.observe(0, 0.0, 1, 1.0, 13, 20.0, 0.0)
+    book.learn(True, 2000, True, 512, "model", warm)
+    ar = Estimates()
+    ar.costs.observe(0, 0.0, 0, 0.0, 1, 300.0, 0.0)  # the autoregressive run at 120K
+    book.learn(True, 120_000, True, 512, "model", ar)
+    far = book.estimates(True, 120_000, True, 512, "model").costs
+    assert far.level3[1] == 300.0 and far.level3[13] == pytest.approx(300.0 * 20.0 / 19.0) and not far.borrowed
+
+
 def test_a_run_starts_from_the_acceptance_the_last_run_of_its_kind_saw():
     """Priors for a first run; a later run of the same kind starts from the rates the last one observed (and an
     autoregressive run in between, which observed none, changes nothing)."""
@@ -185,6 +199,22 @@ def test_a_fast_model_s_plan_is_weighed_again_only_after_enough_decoding_time():
         p.observe(0, 0.0, 0, 0.0, 1, 1.0, 0.0)
         rounds += 1
     assert rounds == WEIGH_EVERY_MS > MIN_ROUNDS and p.current.level2 and p.current.gamma2 > 15
+
+
+def test_a_plan_of_slow_rounds_is_weighed_again_after_one_round_and_a_fast_one_after_min_rounds():
+    """Offloaded at 120K a round takes ~0.3 s: a plan its first round showed wrong is not kept for MIN_ROUNDS more
+    (SETTLE_MS of decoding is evidence enough); rounds of 10 ms wait for MIN_ROUNDS."""
+    for round_ms, expected in ((300.0, 1), (10.0, MIN_ROUNDS)):
+        p = Planner(estimates(level1=0.9 * round_ms, level2=0.95 * round_ms, level3={1: round_ms, 7: 1.2 * round_ms},
+                              a1=0.3, a2=0.5), level1=True, gamma1_max=2, gamma2_max=31)
+        assert p.choose() == AUTOREGRESSIVE
+        p.estimates.costs.level2, p.estimates.a2 = 0.1 * round_ms, Estimate(100.0, 99.0)  # now level 2 pays
+        rounds = 0
+        while p.choose() == AUTOREGRESSIVE:
+            p.observe(0, 0.0, 0, 0.0, 1, round_ms, 0.0)
+            rounds += 1
+        assert rounds == expected and p.current.level2, (round_ms, rounds)
+    assert SETTLE_MS <= 300.0 and 10.0 * MIN_ROUNDS < SETTLE_MS
 
 
 def test_with_the_full_cache_streamed_the_planner_takes_the_verification_for_an_autoregressive_step():
