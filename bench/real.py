@@ -27,6 +27,7 @@ from bench.common import DOCS, RESULTS, environment, finish, merge_summary, save
 from bench.needle import FILLER, NEEDLE
 from bench.offload import h2d_gb_s
 from core import Engine, GenerationConfig
+from core.config import AUTO_GAMMA2
 from core.events import Finished, PlanChosen
 from core.planner import AUTOREGRESSIVE, best, candidates, prior, rate
 
@@ -69,7 +70,8 @@ def row(fin: Finished, chosen: list[PlanChosen] = ()) -> dict:
             "prefill_reused": s.prefill_reused, "level1_acceptance": s.level1_acceptance,
             "level2_acceptance": s.level2_acceptance, "tokens_per_target_forward": s.tokens_per_target_forward,
             "host_link_bytes_per_token": s.host_link_bytes / max(s.new_tokens, 1), "plans": s.plans,
-            "budget": s.settings.get("budget"), "drafter": s.drafter, "plan_log": [[c.round, c.plan, c.reason] for c in chosen], "warmup_s": s.warmup_s, "text": fin.text[:300]}
+            "budget": s.settings.get("budget"), "drafter": s.drafter,
+            "plan_log": [[c.round, c.plan, c.reason] for c in chosen], "warmup_s": s.warmup_s, "text": fin.text[:300]}
 
 
 def sampled_row(engine: Engine, doc: str, instruction: str, settings: dict, repeats: int) -> dict:
@@ -131,7 +133,7 @@ def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) ->
     e = engine.costs.estimates(offloaded, prompt_tokens, False, model["budget"], model["drafter"])
     e.a1, e.a2 = prior(model["level1_acceptance"]), prior(model["level2_acceptance"])
     e.a13, e.offered = None, prior(1.0)
-    options = candidates(True, GenerationConfig().gamma1, 31)
+    options = candidates(True, GenerationConfig().gamma1, AUTO_GAMMA2)
     ar = rate(AUTOREGRESSIVE, e)
     top = best(options, e)
     c = e.costs

@@ -27,7 +27,7 @@ MIN_ROUNDS = 4  # rounds a plan runs before the planner considers leaving it (an
 # every 4 one-token rounds of a small model on a GPU (~1.3 ms each) would add ~4 %; this keeps it near 1 % anywhere.
 WEIGH_EVERY_MS = 20.0
 # ... or, where rounds are slow, this much decoding: a round that streams a long cache from host memory takes ~0.3 s,
-# and four of a plan that its first round already showed wrong (prompt lookup proposing nothing) cost a second.
+# and four of a plan that its first round already showed wrong (drafts level 3 rejects) cost over a second.
 SETTLE_MS = 200.0
 GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 31)  # the draft lengths weighed (all of 1-31: more cost than use)
 MAX_SWITCHES = 6  # per run, once the costs are measured
@@ -172,8 +172,7 @@ class CostBook:
             # Scaled by a size measured here: one both lengths measured, else the smallest here against what the
             # other length's curve says for it (an offloaded run never measures one-row steps, while the
             # autoregressive run of a Compare click measured only those)
-            shared = [rows for rows in level3 if rows in near.level3]
-            anchor = shared[0] if shared else min(level3, default=None)
+            anchor = next((rows for rows in level3 if rows in near.level3), min(level3, default=None))
             then = near.verify(anchor) if anchor is not None else None
             scale = level3[anchor] / then if then else 1.0
             level3, borrowed = {rows: ms * scale for rows, ms in near.level3.items()} | level3, not then
@@ -279,8 +278,8 @@ class Planner:
     costs what its copies do however few tokens it verifies, so the verification measured stands for an AR step,
     which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds (or
     SETTLE_MS of decoding) and WEIGH_EVERY_MS have passed since it last looked, it weighs the candidates again and
-    switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times. `level1`: a drafter is there;
-    `level2`: level 2's cache leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
+    switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times. `level1`: a drafter is
+    there; `level2`: level 2's cache leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
 
     estimates: Estimates
     level1: bool

@@ -14,8 +14,8 @@ from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.events import Finished, PlanChosen
 from core.model import Transformer
-from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, CostBook, Costs, Estimate, Estimates, Hierarchy,
-                          Planner, best, candidates, expected_tokens, prior, rate)
+from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, CostBook, Costs, Estimate, Estimates,
+                          Hierarchy, Planner, best, candidates, expected_tokens, prior, rate)
 from tests.lossless import GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
 
