@@ -76,12 +76,15 @@ class TriForce:
         seq = list(self.prompt)
         round_ = 0
         feature = None  # the target's hidden state that produced seq's last token (none for the prompt's)
+        shown = None  # the plan the last PlanChosen named
         while not self.out.done:
             h = self.planner.choose() if self.planner else self.fixed
             if self.planner:  # timings differ between tensor-parallel ranks: all follow rank 0's choice
-                level1, level2, gamma1, gamma2 = agree(h.level1, h.level2, h.gamma1, h.gamma2)
-                h = Hierarchy(bool(level1), bool(level2), gamma1, gamma2)
-            if self.planner and (not self.plans or self.plans[-1] != h.name):
+                agreed = agree(h.level1, h.level2, h.gamma1, h.gamma2)
+                if agreed != (h.level1, h.level2, h.gamma1, h.gamma2):
+                    h = Hierarchy(bool(agreed[0]), bool(agreed[1]), agreed[2], agreed[3])
+            if self.planner and h != shown:
+                shown = h
                 self.plans.append(h.name)
                 yield PlanChosen(round_, h.name, self.planner.reason, h.level1, h.level2, h.gamma1, h.gamma2)
             committed = len(seq)
@@ -89,7 +92,7 @@ class TriForce:
             if h.level2:  # level 2's cache takes what level 3 verified since it was last in step, whatever drafted it
                 retrieval.sync(self.level2, target, seq, retrieval.synced)
             sync_s = clock(self.graphs) - t0
-            draft = yield from self.draft(h, seq, committed, round_, feature)
+            draft = (yield from self.draft(h, seq, committed, round_, feature)) if h.gamma2 else Draft()
             t0 = clock(self.graphs)
             reselect = h.level2 and retrieval.policy.due(round_)
             n = len(draft.tokens)

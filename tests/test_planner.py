@@ -9,12 +9,13 @@ import time
 import pytest
 import torch
 
+import core.planner
 import core.triforce
 from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.events import Finished, PlanChosen
 from core.model import Transformer
-from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, CostBook, Costs, Estimate, Estimates,
+from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, WEIGH_MOST_MS, CostBook, Costs, Estimate, Estimates,
                           Hierarchy, Planner, best, candidates, expected_tokens, prior, rate)
 from tests.lossless import GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
@@ -131,16 +132,16 @@ def test_an_offloaded_curve_borrowed_from_another_length_is_scaled_by_the_one_ro
 def test_a_run_starts_from_the_acceptance_the_last_run_of_its_kind_saw():
     """Priors for a first run; a later run of the same kind starts from the rates the last one observed (and an
     autoregressive run in between, which observed none, changes nothing)."""
-    book = CostBook()
+    book, priors = CostBook(), Estimates()
     first = book.estimates(False, 1000, False, 512, "model")
-    assert (first.a1.rate, first.a2.rate) == (prior(0.5).rate, prior(0.8).rate)
+    assert (first.a1.rate, first.a2.rate) == (priors.a1.rate, priors.a2.rate) and priors.a2.rate < 0.95
     first.a2.add(proposed=100, accepted=100)
     book.learn(False, 1000, False, 512, "model", first)
     book.learn(False, 1000, False, 512, "model", Estimates())
     second = book.estimates(False, 1000, False, 512, "model")
     assert second.a2.rate == pytest.approx(first.a2.rate) and second.a2.rate > 0.95
-    assert second.a2.verified == prior(0.5).verified and second.a1.rate == 0.5  # a prior's weight; a1 unseen
-    assert book.estimates(False, 1000, False, 1024, "model").a2.rate == 0.8  # another budget: its own kind
+    assert second.a2.verified == priors.a2.verified and second.a1.rate == priors.a1.rate  # a prior's weight; a1 unseen
+    assert book.estimates(False, 1000, False, 1024, "model").a2.rate == priors.a2.rate  # another budget: its own kind
 
 
 def test_without_a_drafter_and_with_the_whole_prompt_in_budget_nothing_is_measured_and_no_level_drafts():
@@ -199,6 +200,34 @@ def test_a_fast_model_s_plan_is_weighed_again_only_after_enough_decoding_time():
         p.observe(0, 0.0, 0, 0.0, 1, 1.0, 0.0)
         rounds += 1
     assert rounds == WEIGH_EVERY_MS > MIN_ROUNDS and p.current.level2 and p.current.gamma2 > 15
+
+
+def test_a_plan_that_keeps_winning_is_weighed_at_doubling_intervals_and_a_switch_starts_them_again(monkeypatch):
+    """Each weighing that keeps the plan doubles the decoding time before the next, up to WEIGH_MOST_MS (weighing
+    costs ~0.35 ms of Python: every 20 ms it took ~2 % of a small model's decoding); a switch starts again at
+    WEIGH_EVERY_MS."""
+    elapsed, weighed, weigh = 0.0, [], core.planner.best
+    monkeypatch.setattr(core.planner, "best", lambda options, e: (weighed.append(elapsed), weigh(options, e))[1])
+    p = Planner(estimates(level1=0.9, level2=0.95, level3={1: 1.0, 7: 1.2}, a1=0.3, a2=0.5), level1=True,
+                gamma1_max=2, gamma2_max=31)
+    while elapsed < 700:
+        assert p.choose() == AUTOREGRESSIVE
+        p.observe(0, 0.0, 0, 0.0, 1, 1.0, 0.0)
+        elapsed += 1.0
+    gaps = [b - a for a, b in zip(weighed, weighed[1:])]
+    assert gaps[:5] == [WEIGH_EVERY_MS, 2 * WEIGH_EVERY_MS, 4 * WEIGH_EVERY_MS, 8 * WEIGH_EVERY_MS, WEIGH_MOST_MS]
+    assert set(gaps[4:]) == {WEIGH_MOST_MS}
+    p.estimates.costs.level2, p.estimates.a2 = 0.1, Estimate(100.0, 99.0)  # level 2 → 3 now far faster
+    while p.choose() == AUTOREGRESSIVE:
+        p.observe(0, 0.0, 0, 0.0, 1, 1.0, 0.0)
+        elapsed += 1.0
+    switched = weighed[-1]
+    assert switched - weighed[-2] == WEIGH_MOST_MS
+    while len(weighed) < len(gaps) + 3:
+        p.observe(0, 0.0, 1, 0.1, 32, 1.5, 0.0)
+        elapsed += 1.6
+        p.choose()
+    assert weighed[-1] - switched == pytest.approx(WEIGH_EVERY_MS, abs=1.6)
 
 
 def test_a_plan_of_slow_rounds_is_weighed_again_after_one_round_and_a_fast_one_after_min_rounds():
