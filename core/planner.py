@@ -201,7 +201,8 @@ class CostBook:
                                      samples=copy.deepcopy(costs.samples))  # level 3 lives in self.level3
         seen = {name: a.rate for name in ACCEPTANCES
                 if (a := getattr(e, name)) is not None and a.verified > PRIOR_WEIGHT}  # observed, not a prior
-        self.acceptance[run] = self.acceptance.get(run, {}) | seen
+        if seen:  # a run that observed none (all autoregressive) must not hide what a nearby kind saw
+            self.acceptance[run] = self.acceptance.get(run, {}) | seen
 
     def figures(self) -> list[float]:
         """Every cost the book holds, in milliseconds."""
@@ -298,6 +299,7 @@ class Planner:
     reason: str = ""  # why the current plan was chosen
     since_weighed_ms: float = 0.0  # decoding time since the candidates were last weighed
     weigh_every_ms: float = WEIGH_EVERY_MS  # ... and how much of it the next weighing waits for
+    expected: float | None = None  # the current plan's expected rate when it was last weighed
     options: list[Hierarchy] = field(init=False)  # the candidates it weighs
 
     def __post_init__(self):
@@ -323,16 +325,32 @@ class Planner:
         self.since_weighed_ms = 0.0
         h, r = best(self.options, self.estimates)
         now = rate(self.current, self.estimates) if self.current else None
-        if fresh or now is None or (h != self.current and r > SWITCH_GAIN * now):
-            self.weigh_every_ms = WEIGH_EVERY_MS
+        # another plan must be clearly faster to replace the current one, unless the current one is now expected
+        # slower than autoregressive decoding (which the planner never knowingly stays)
+        if fresh or now is None or (h != self.current and (r > SWITCH_GAIN * now or now < self._autoregressive())):
+            self.weigh_every_ms, self.expected = WEIGH_EVERY_MS, r
             return self._set(h, self.explain(h, r))
-        self.weigh_every_ms = min(2 * self.weigh_every_ms, WEIGH_MOST_MS)
+        # kept: looked at again later while it is the best, soon while another comes close
+        self.weigh_every_ms = min(2 * self.weigh_every_ms, WEIGH_MOST_MS) if h == self.current else WEIGH_EVERY_MS
+        self.expected = now
         return self.current
 
     def _due(self) -> bool:
-        """Whether the current plan has run long enough to be weighed against the others again."""
+        """Whether the current plan has run long enough to be weighed against the others again: after
+        weigh_every_ms of decoding, or as soon as MIN_ROUNDS rounds show it falling short of what it was chosen for
+        (drafts rejected that its prior expected accepted)."""
+        if self.switches >= MAX_SWITCHES:
+            return False
+        if self.rounds >= MIN_ROUNDS and self.current.gamma2 and self.expected:
+            now = rate(self.current, self.estimates) or 0.0
+            if SWITCH_GAIN * now < self.expected or now < self._autoregressive():
+                return True
         settled = self.rounds >= MIN_ROUNDS or self.since_weighed_ms >= SETTLE_MS
-        return settled and self.since_weighed_ms >= self.weigh_every_ms and self.switches < MAX_SWITCHES
+        return settled and self.since_weighed_ms >= self.weigh_every_ms
+
+    def _autoregressive(self) -> float:
+        """Autoregressive decoding's expected rate (0 while its step is unmeasured)."""
+        return rate(AUTOREGRESSIVE, self.estimates) or 0.0
 
     def explain(self, h: Hierarchy, r: float) -> str:
         """One line on why `h` was chosen: its expected speed over autoregressive decoding and the costs behind it."""

@@ -38,10 +38,21 @@ def nucleus(probs: torch.Tensor, top_p: float, heads: tuple[int, ...] = (256, 40
         sorted_p = None
     if sorted_p is None:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+    before = row_cumsum(sorted_p) - sorted_p  # mass strictly before each token
     sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return kept / kept.sum(-1, keepdim=True)
+
+
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """x.cumsum(-1) of x [rows, V]. Several rows are scanned as one flattened row in float64, each row's start then
+    subtracted: a GPU scans one long row in microseconds, but took ~0.2 ms for the few rows of a verification over a
+    150K-token vocabulary scanned along the last dimension (the H200, torch 2.11)."""
+    if x.shape[0] == 1:
+        return x.cumsum(-1)
+    flat = x.double().reshape(-1).cumsum(0).view(x.shape)
+    before = torch.cat([flat.new_zeros(1), flat[:-1, -1]])  # the mass of the rows above each row
+    return (flat - before[:, None]).to(x.dtype)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

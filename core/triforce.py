@@ -153,14 +153,15 @@ class TriForce:
         if h.level1 and want:
             t0 = clock(self.graphs)
             proposal = self.drafter.propose(seq, want, committed, (), feature)
-            draft.level1_s = clock(self.graphs) - t0
             draft.tokens, draft.asked = proposal.tokens, want
-            if proposal.tokens:
+            if proposal.tokens:  # a copied token's q is one-hot (part of level 1's cost)
                 q = proposal.q if proposal.q is not None else \
                     torch.nn.functional.one_hot(torch.tensor(proposal.tokens, device=self.target.model.device),
                                                 self.target.model.args.vocab_size).float()
                 draft.q = list(q)
                 draft.provenance = ["copy" if c else "draft" for c in proposal.copied]
+            draft.level1_s = clock(self.graphs) - t0
+            if proposal.tokens:
                 yield DraftProposal(round_, proposal.tokens, proposal.copied)
         return draft
 

@@ -144,6 +144,19 @@ def test_a_run_starts_from_the_acceptance_the_last_run_of_its_kind_saw():
     assert book.estimates(False, 1000, False, 1024, "model").a2.rate == priors.a2.rate  # another budget: its own kind
 
 
+def test_a_sampled_run_that_observed_nothing_leaves_the_next_one_the_acceptance_a_greedy_run_saw():
+    """A sampled run that decoded autoregressively (or a fixed run's warm-up) observes no acceptance: the next
+    sampled run of that kind still starts from what the greedy runs saw, not from the defaults."""
+    book, seen = CostBook(), Estimates()
+    for _ in range(20):
+        seen.a1.add(proposed=2, accepted=0)
+    book.learn(True, 120_000, True, 4096, "model", seen)
+    book.learn(True, 120_000, False, 4096, "model", Estimates())  # sampled, all autoregressive
+    book.learn(True, 600, False, 4096, "model", Estimates())  # a short sampled warm-up run
+    assert seen.a1.rate < 0.2
+    assert book.estimates(True, 120_000, False, 4096, "model").a1.rate == pytest.approx(seen.a1.rate)
+
+
 def test_without_a_drafter_and_with_the_whole_prompt_in_budget_nothing_is_measured_and_no_level_drafts():
     p = Planner(Estimates(), level1=False, gamma1_max=2, gamma2_max=15, level2=False)
     assert p.choose() == AUTOREGRESSIVE and "covers the whole prompt" in p.reason
@@ -228,6 +241,24 @@ def test_a_plan_that_keeps_winning_is_weighed_at_doubling_intervals_and_a_switch
         elapsed += 1.6
         p.choose()
     assert weighed[-1] - switched == pytest.approx(WEIGH_EVERY_MS, abs=1.6)
+
+
+def test_a_plan_expected_slower_than_autoregressive_is_left_within_min_rounds_however_fast_its_rounds():
+    """Prompt lookup chosen on a prior (level 1 nearly free, a 7-row step 10 % dearer than a one-row one), then every
+    draft rejected: once the plan is expected slower than autoregressive decoding, the planner leaves it within
+    MIN_ROUNDS rounds (no hysteresis holds it, and no WEIGH_EVERY_MS of 1 ms rounds is waited for)."""
+    p = Planner(estimates(level1=0.01, level2=None, level3={1: 1.0, 7: 1.1}, a1=0.5, a2=0.9), level1=True,
+                gamma1_max=2, gamma2_max=6, level2=False)
+    h = first = p.choose()
+    assert h.level1 and h.gamma2 > 1
+    below = longest = 0  # consecutive rounds of a plan expected slower than autoregressive
+    for _ in range(60):
+        p.level1_checked(3, h.gamma2, h.gamma2, 0)
+        p.observe(h.gamma2, 0.01 * h.gamma2, 0, 0.0, h.gamma2 + 1, p.estimates.costs.verify(h.gamma2 + 1), 0.0)
+        h = p.choose()
+        below = below + 1 if rate(h, p.estimates) < rate(AUTOREGRESSIVE, p.estimates) else 0
+        longest = max(longest, below)
+    assert h != first and longest <= MIN_ROUNDS
 
 
 def test_a_plan_of_slow_rounds_is_weighed_again_after_one_round_and_a_fast_one_after_min_rounds():

@@ -5,7 +5,7 @@ from collections import Counter
 import torch
 
 from core.config import GenerationConfig
-from core.sampling import distributions, nucleus, sample, speculative_verify
+from core.sampling import distributions, nucleus, row_cumsum, sample, speculative_verify
 from tests.stats import chi_square_p
 
 V = 6
@@ -67,6 +67,18 @@ def test_partial_sort_nucleus_equals_full_sort():
             assert torch.equal(fast > 0, full > 0)
             torch.testing.assert_close(fast, full)
     assert 0 < fallbacks < 12  # both paths were exercised
+
+
+def test_the_nucleus_of_each_row_of_a_verification_is_the_one_of_that_row_alone():
+    """Several rows are summed in one flattened scan (row_cumsum): each row keeps the tokens it would keep alone."""
+    g = torch.Generator().manual_seed(1)
+    probs = (torch.randn(7, 3000, generator=g) * 3.0).softmax(-1)
+    torch.testing.assert_close(row_cumsum(probs), probs.cumsum(-1), rtol=0.0, atol=1e-6)
+    rows = nucleus(probs, 0.9, heads=())
+    for i in range(len(probs)):
+        alone = nucleus(probs[i:i + 1], 0.9, heads=())[0]
+        assert torch.equal(rows[i] > 0, alone > 0)
+        torch.testing.assert_close(rows[i], alone)
 
 
 def test_sample_draws_from_probs_and_never_a_zero():
