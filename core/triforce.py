@@ -138,8 +138,14 @@ class TriForce:
                          plans=self.plans)
 
     def measured(self) -> Estimates:
-        """What the steps of each level took in this run, and (method auto) the acceptances seen."""
-        return self.planner.estimates if self.planner else Estimates(self.costs)
+        """What the steps of each level took in this run and the acceptances it saw (a fixed hierarchy's too: the
+        warm-up's offloaded runs, or a Compare click of method triforce, give method auto its first priors)."""
+        if self.planner:
+            return self.planner.estimates
+        e, c = Estimates(self.costs), self.counts
+        e.a1.verified, e.a1.accepted = e.a1.verified + c.level1_verified, e.a1.accepted + c.level1_accepted
+        e.a2.verified, e.a2.accepted = e.a2.verified + c.level2_verified, e.a2.accepted + c.level2_accepted
+        return e
 
     def draft(self, h: Hierarchy, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
               ) -> Generator[Event, None, Draft]:

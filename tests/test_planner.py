@@ -17,7 +17,7 @@ from core.events import Finished, PlanChosen
 from core.model import Transformer
 from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, WEIGH_MOST_MS, CostBook, Costs, Estimate, Estimates,
                           Hierarchy, Planner, best, candidates, expected_tokens, prior, rate)
-from tests.lossless import GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
+from tests.lossless import CFG, GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
 
 
@@ -155,6 +155,20 @@ def test_a_sampled_run_that_observed_nothing_leaves_the_next_one_the_acceptance_
     book.learn(True, 600, False, 4096, "model", Estimates())  # a short sampled warm-up run
     assert seen.a1.rate < 0.2
     assert book.estimates(True, 120_000, False, 4096, "model").a1.rate == pytest.approx(seen.a1.rate)
+
+
+def test_a_fixed_triforce_run_gives_method_auto_the_acceptances_it_saw():
+    """The warm-up's offloaded runs and Compare clicks of method triforce run a fixed hierarchy: what its levels
+    accepted becomes the next auto run's prior, so that a first auto request does not start from the defaults."""
+    engine, prompt = tiny_engine()
+    cfg = GenerationConfig(**{**CFG, "max_new_tokens": 40}, seed=0).validate()
+    with torch.no_grad():
+        stats = [e for e in engine.generate_ids(prompt, cfg) if isinstance(e, Finished)][0].stats
+    prior = engine.costs.estimates(False, len(prompt), False, cfg.budget, "model")
+    defaults = Estimates()
+    for seen, learnt, default in ((stats.level1_acceptance, prior.a1.rate, defaults.a1.rate),
+                                  (stats.level2_acceptance, prior.a2.rate, defaults.a2.rate)):
+        assert abs(seen - default) > 0.1 and abs(learnt - seen) < abs(default - seen) / 2, (seen, learnt, default)
 
 
 def test_without_a_drafter_and_with_the_whole_prompt_in_budget_nothing_is_measured_and_no_level_drafts():
