@@ -284,8 +284,9 @@ class Planner:
     costs what its copies do however few tokens it verifies, so the verification measured stands for an AR step,
     which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds (or
     SETTLE_MS of decoding) and weigh_every_ms have passed since it last looked, it weighs the candidates again and
-    switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times. `level1`: a drafter is
-    there; `level2`: level 2's cache leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
+    switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times (after that only back to
+    autoregressive decoding, when the plan falls below it). `level1`: a drafter is there; `level2`: level 2's cache
+    leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
 
     estimates: Estimates
     level1: bool
@@ -319,11 +320,11 @@ class Planner:
             return self._set(fullest, "measuring what each level costs")
         if 1 not in c.level3 and not self.streamed:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
-        fresh = self.current is None or self.reason.startswith("measuring")
-        if not (fresh or self._due()):
-            return self.current
+        fresh = self.current is None or self.reason.startswith("measuring")  # else due (the first line)
         self.since_weighed_ms = 0.0
         h, r = best(self.options, self.estimates)
+        if not fresh and self.switches >= MAX_SWITCHES:  # out of switches: only back to autoregressive decoding
+            h, r = AUTOREGRESSIVE, self._autoregressive()
         now = rate(self.current, self.estimates) if self.current else None
         # another plan must be clearly faster to replace the current one, unless the current one is now expected
         # slower than autoregressive decoding (which the planner never knowingly stays)
@@ -339,14 +340,13 @@ class Planner:
         """Whether the current plan has run long enough to be weighed against the others again: after
         weigh_every_ms of decoding, or as soon as MIN_ROUNDS rounds show it falling short of what it was chosen for
         (drafts rejected that its prior expected accepted)."""
-        if self.switches >= MAX_SWITCHES:
-            return False
+        spare = self.switches < MAX_SWITCHES
         if self.rounds >= MIN_ROUNDS and self.current.gamma2 and self.expected:
             now = rate(self.current, self.estimates) or 0.0
-            if SWITCH_GAIN * now < self.expected or now < self._autoregressive():
+            if now < self._autoregressive() or (spare and SWITCH_GAIN * now < self.expected):
                 return True
         settled = self.rounds >= MIN_ROUNDS or self.since_weighed_ms >= SETTLE_MS
-        return settled and self.since_weighed_ms >= self.weigh_every_ms
+        return spare and settled and self.since_weighed_ms >= self.weigh_every_ms
 
     def _autoregressive(self) -> float:
         """Autoregressive decoding's expected rate (0 while its step is unmeasured)."""

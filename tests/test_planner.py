@@ -15,8 +15,9 @@ from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.events import Finished, PlanChosen
 from core.model import Transformer
-from core.planner import (AUTOREGRESSIVE, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, WEIGH_MOST_MS, CostBook, Costs, Estimate, Estimates,
-                          Hierarchy, Planner, best, candidates, expected_tokens, prior, rate)
+from core.planner import (AUTOREGRESSIVE, MAX_SWITCHES, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, WEIGH_MOST_MS,
+                          CostBook, Costs, Estimate, Estimates, Hierarchy, Planner, best, candidates, expected_tokens,
+                          prior, rate)
 from tests.lossless import CFG, GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
 
@@ -273,6 +274,21 @@ def test_a_plan_expected_slower_than_autoregressive_is_left_within_min_rounds_ho
         below = below + 1 if rate(h, p.estimates) < rate(AUTOREGRESSIVE, p.estimates) else 0
         longest = max(longest, below)
     assert h != first and longest <= MIN_ROUNDS
+
+
+def test_out_of_switches_the_planner_still_returns_to_autoregressive_decoding_and_nowhere_else():
+    """MAX_SWITCHES bounds flapping between plans, not the way back to AR: a plan that has used them all and then
+    sees its drafts rejected is left for autoregressive decoding, which it then keeps."""
+    p = Planner(estimates(level1=0.01, level2=None, level3={1: 1.0, 7: 1.1}, a1=0.5, a2=0.9), level1=True,
+                gamma1_max=2, gamma2_max=6, level2=False)
+    h = p.choose()
+    p.switches = MAX_SWITCHES
+    for _ in range(60):
+        if h.gamma2:  # every draft rejected
+            p.level1_checked(3, h.gamma2, h.gamma2, 0)
+        p.observe(h.gamma2, 0.01 * h.gamma2, 0, 0.0, h.gamma2 + 1, p.estimates.costs.verify(h.gamma2 + 1), 0.0)
+        h = p.choose()
+    assert h == AUTOREGRESSIVE and p.switches == MAX_SWITCHES + 1
 
 
 def test_a_plan_of_slow_rounds_is_weighed_again_after_one_round_and_a_fast_one_after_min_rounds():
