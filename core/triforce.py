@@ -92,7 +92,7 @@ class TriForce:
             if h.level2:  # level 2's cache takes what level 3 verified since it was last in step, whatever drafted it
                 retrieval.sync(self.level2, target, seq, retrieval.synced)
             sync_s = clock(self.graphs) - t0
-            draft = (yield from self.draft(h, seq, committed, round_, feature)) if h.gamma2 else Draft()
+            draft = yield from self.draft(h, seq, committed, round_, feature)
             t0 = clock(self.graphs)
             reselect = h.level2 and retrieval.policy.due(round_)
             n = len(draft.tokens)

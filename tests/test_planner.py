@@ -258,19 +258,31 @@ def test_a_plan_that_keeps_winning_is_weighed_at_doubling_intervals_and_a_switch
     assert weighed[-1] - switched == pytest.approx(WEIGH_EVERY_MS, abs=1.6)
 
 
+def lookup_planner() -> Planner:
+    """A planner with prompt lookup as level 1 (nearly free), no level 2, a 7-row step 10 % dearer than a one-row
+    one."""
+    return Planner(estimates(level1=0.01, level2=None, level3={1: 1.0, 7: 1.1}, a1=0.5, a2=0.9), level1=True,
+                   gamma1_max=2, gamma2_max=6, level2=False)
+
+
+def rejected_round(p: Planner, h: Hierarchy) -> Hierarchy:
+    """One round of `h` at its expected costs with every draft rejected; the next round's plan."""
+    if h.gamma2:
+        p.level1_checked(3, h.gamma2, h.gamma2, 0)
+    p.observe(h.gamma2, 0.01 * h.gamma2, 0, 0.0, h.gamma2 + 1, p.estimates.costs.verify(h.gamma2 + 1), 0.0)
+    return p.choose()
+
+
 def test_a_plan_expected_slower_than_autoregressive_is_left_within_min_rounds_however_fast_its_rounds():
     """Prompt lookup chosen on a prior (level 1 nearly free, a 7-row step 10 % dearer than a one-row one), then every
     draft rejected: once the plan is expected slower than autoregressive decoding, the planner leaves it within
     MIN_ROUNDS rounds (no hysteresis holds it, and no WEIGH_EVERY_MS of 1 ms rounds is waited for)."""
-    p = Planner(estimates(level1=0.01, level2=None, level3={1: 1.0, 7: 1.1}, a1=0.5, a2=0.9), level1=True,
-                gamma1_max=2, gamma2_max=6, level2=False)
+    p = lookup_planner()
     h = first = p.choose()
     assert h.level1 and h.gamma2 > 1
     below = longest = 0  # consecutive rounds of a plan expected slower than autoregressive
     for _ in range(60):
-        p.level1_checked(3, h.gamma2, h.gamma2, 0)
-        p.observe(h.gamma2, 0.01 * h.gamma2, 0, 0.0, h.gamma2 + 1, p.estimates.costs.verify(h.gamma2 + 1), 0.0)
-        h = p.choose()
+        h = rejected_round(p, h)
         below = below + 1 if rate(h, p.estimates) < rate(AUTOREGRESSIVE, p.estimates) else 0
         longest = max(longest, below)
     assert h != first and longest <= MIN_ROUNDS
@@ -279,15 +291,11 @@ def test_a_plan_expected_slower_than_autoregressive_is_left_within_min_rounds_ho
 def test_out_of_switches_the_planner_still_returns_to_autoregressive_decoding_and_nowhere_else():
     """MAX_SWITCHES bounds flapping between plans, not the way back to AR: a plan that has used them all and then
     sees its drafts rejected is left for autoregressive decoding, which it then keeps."""
-    p = Planner(estimates(level1=0.01, level2=None, level3={1: 1.0, 7: 1.1}, a1=0.5, a2=0.9), level1=True,
-                gamma1_max=2, gamma2_max=6, level2=False)
+    p = lookup_planner()
     h = p.choose()
     p.switches = MAX_SWITCHES
     for _ in range(60):
-        if h.gamma2:  # every draft rejected
-            p.level1_checked(3, h.gamma2, h.gamma2, 0)
-        p.observe(h.gamma2, 0.01 * h.gamma2, 0, 0.0, h.gamma2 + 1, p.estimates.costs.verify(h.gamma2 + 1), 0.0)
-        h = p.choose()
+        h = rejected_round(p, h)
     assert h == AUTOREGRESSIVE and p.switches == MAX_SWITCHES + 1
 
 
