@@ -84,13 +84,15 @@ def speculative_verify(draft: list[int], q: torch.Tensor | None, p: torch.Tensor
     token from p's last row. The accepted tokens followed by the next token are distributed exactly as p. Under
     tensor parallelism every rank returns rank 0's verdict.
     """
-    pxs, qxs = [], []
-    if draft:  # one device sync for the whole draft, not two per token
+    pxs, qxs, us = [], [], []
+    if draft:  # one device sync for the whole draft: p(x), q(x) and a uniform per token, read back together
         rows = list(range(len(draft)))
         px_all = p[rows, draft]
-        pxs, qxs = torch.stack([px_all, q[rows, draft] if q is not None else torch.ones_like(px_all)]).tolist()
-    for i, (x, px, qx) in enumerate(zip(draft, pxs, qxs)):
-        if px >= qx or float(torch.rand((), generator=generator, device=p.device)) * qx < px:
+        qx_all = q[rows, draft] if q is not None else torch.ones_like(px_all)
+        u = torch.rand(len(draft), generator=generator, device=p.device, dtype=px_all.dtype)
+        pxs, qxs, us = torch.stack([px_all, qx_all, u]).tolist()
+    for i, (x, px, qx, u) in enumerate(zip(draft, pxs, qxs, us)):
+        if px >= qx or u * qx < px:  # accepted with probability min(1, p(x) / q(x))
             continue
         qi = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(x, device=p.device),
                                                                      p.shape[-1]).float()
