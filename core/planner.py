@@ -92,7 +92,8 @@ RECENT = 9
 class Costs:
     """Measured milliseconds (None until seen): level 1 per token asked of it, a level-2 forward, a level-3
     forward by its number of new tokens, and the per-round overhead of keeping level 2's cache in step; each the
-    low median of its RECENT latest samples (`samples` by figure name, `level3_samples` by rows)."""
+    low median of its RECENT latest samples, level 1 their pooled time per token (_pooled) (`samples` by figure
+    name, `level3_samples` by rows)."""
 
     level1: float | None = None
     level2: float | None = None
@@ -121,7 +122,7 @@ class Costs:
         none, and pays for looking all the same), level 2's for its forwards, the level-3 forward over
         `level3_rows` new tokens, and the round's overhead."""
         if level1_asked:
-            self.level1 = _sample(self.samples, "level1", level1_ms / level1_asked)
+            self.level1 = _pooled(self.samples, "level1", level1_ms, level1_asked)
         if level2_forwards:
             self.level2 = _sample(self.samples, "level2", level2_ms / level2_forwards)
             self.overhead = _sample(self.samples, "overhead", overhead_ms)
@@ -215,6 +216,17 @@ def _sample(windows: dict, figure: str | int, ms: float) -> float:
     window = windows.setdefault(figure, deque(maxlen=RECENT))
     window.append(ms)
     return statistics.median_low(window)
+
+
+def _pooled(windows: dict, figure: str, ms: float, count: int) -> float:
+    """Add one round's time and count to a figure's window; the figure's new value: the time per count over the
+    window, less its costliest round once it holds three. A level-1 token's cost is a mix -- a copied one costs
+    next to nothing, one the draft model makes costs a forward -- which a median of rounds would read as the
+    commoner kind alone; leaving out one round still keeps a single stall from steering it."""
+    window = windows.setdefault(figure, deque(maxlen=RECENT))
+    window.append((ms, count))
+    kept = sorted(window, key=lambda r: r[0] / r[1])[:-1] if len(window) >= 3 else window
+    return sum(m for m, _ in kept) / sum(c for _, c in kept)
 
 
 def expected_tokens(alpha: float, gamma: float) -> float:

@@ -54,6 +54,19 @@ def test_a_level_3_cost_outside_the_measured_sizes_never_falls_below_the_nearest
     assert rate(AUTOREGRESSIVE, Estimates(Costs(level3={7: 40.0, 13: 90.0}))) == pytest.approx(1 / 40.0)
 
 
+def test_a_level_one_token_costs_the_mix_of_copied_and_drafted_tokens_and_one_stall_does_not_steer_it():
+    """A drafter that copies most tokens (next to free) and drafts some with its model (a forward each) costs their
+    mix per token, not the commoner kind's cost; a single stalled round still leaves the cost where it was."""
+    c = Costs()
+    for i in range(9):  # every third round the draft model drafts its 6 tokens, the others copy them
+        c.observe(6, 7.2 if i % 3 == 2 else 0.3, 0, 0.0, 7, 20.0, 0.0)
+    assert c.level1 == pytest.approx((6 * 0.3 + 2 * 7.2) / (8 * 6))  # the costliest round left out
+    steady = Costs()
+    for ms in (1.0, 1.0, 50.0, 1.0):
+        steady.observe(2, 2 * ms, 0, 0.0, 3, 20.0, 0.0)
+    assert steady.level1 == 1.0
+
+
 def test_one_stalled_round_does_not_steer_a_cost_but_a_lasting_change_does():
     """A round held up once (a GC pause, another thread holding the GIL) leaves the cost where it was; a cost that
     really changed is taken up within a few rounds."""
