@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Iterator, Sequence
 
 import torch
@@ -29,6 +30,30 @@ def _overlap(a: int, n: int, total: int, last: int) -> int:
 
 class Stopped(Exception):
     """A prefill forward was stopped between two layers (its cache holds part of a chunk: not to be reused)."""
+
+
+LAYERS_AHEAD = 2  # how far a prefill's host may run ahead of a GPU
+
+
+class Leash:
+    """Keeps the host at most LAYERS_AHEAD layers ahead of a GPU while it prefills. The host queues a forward's
+    kernels far faster than the GPU runs them: unleashed, it had queued a whole 120K-token prefill (seconds of GPU
+    work) before a Stop came, so the Stop landed after all of it and the progress it reported was what it had
+    queued. Waiting on the event of a layer two back leaves the GPU a layer queued, so it never idles."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: deque[torch.cuda.Event] = deque()
+
+    def step(self) -> None:
+        """A layer was queued: wait until the GPU has finished the one LAYERS_AHEAD before it."""
+        if not self.cuda:
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.events.append(event)
+        if len(self.events) > LAYERS_AHEAD:
+            self.events.popleft().synchronize()
 
 
 class Level:
@@ -97,9 +122,13 @@ class Level:
                 ) -> Iterator[int]:
         """Feed ids into the cache in chunks without computing logits; yields the count done after each chunk. With
         `record`, self.queries holds the queries of the last `record` ids. Once `stop` is set, the next layer raises
-        Stopped (a chunk can take seconds on a CPU)."""
+        Stopped (a chunk can take seconds); on a GPU the host stays within LAYERS_AHEAD layers of the device (Leash),
+        so the Stop lands there and each count yielded is what the device has nearly done."""
+        leash = Leash(self.model.device)
+
         def between() -> None:
-            if stop.is_set():
+            leash.step()
+            if stop is not None and stop.is_set():
                 raise Stopped
 
         for a in range(0, len(ids), chunk):
@@ -107,7 +136,7 @@ class Level:
             self.cache.begin(len(piece))
             last = a + chunk >= len(ids)
             _, queries = self.model.step(torch.tensor(piece, device=self.model.device), self.cache, 0,
-                                         record if last else 0, between if stop is not None else None, self.ops)
+                                         record if last else 0, between, self.ops)
             if last:
                 self.queries = queries
             self.tokens.extend(piece)

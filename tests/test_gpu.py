@@ -8,6 +8,9 @@ python -m pytest -q tests/test_gpu.py
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +19,7 @@ from transformers import LlamaConfig
 from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
 from core.kvcache import KVCache
-from core.levels import Level
+from core.levels import Level, Stopped
 from core.model import Transformer
 from core.offload import OffloadedKVCache
 from core.ops import DECODE_TOKENS, TORCH, TorchOps, TritonOps, ops_for, rotate
@@ -329,6 +332,41 @@ def test_chunk_gather_and_bf16_mean_selection(triton):
     m = selection_measures(triton)
     assert m["gather_chunks_equal"] and m["gather_equals_torch_ops"]
     assert m["selection_bf16_means_overlap"] >= 0.99
+
+
+PREFILL_MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
+
+
+def test_a_stop_during_a_long_gpu_prefill_lands_within_layers_not_after_the_queued_work():
+    """The host queues a prefill forward's kernels in milliseconds and the GPU takes a good part of a second to run
+    them (32K tokens in one forward): held a few layers ahead of the device, the host sees a Stop set a quarter of
+    the way in, raises Stopped, and the device is idle well before the forward would have ended."""
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = Transformer(LlamaConfig(**PREFILL_MODEL)).to(BF16).eval().requires_grad_(False)
+    ids = torch.randint(0, PREFILL_MODEL["vocab_size"], (32768,)).tolist()
+    cache = KVCache(16, 8, 128, len(ids) + 16, BF16, DEV)
+
+    def prefill(stop: threading.Event | None = None) -> None:
+        cache.truncate(0)
+        list(Level(model, cache, []).prefill(ids, len(ids), stop=stop))
+
+    prefill()  # kernels chosen and memory allocated
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    prefill()
+    torch.cuda.synchronize()
+    whole = time.perf_counter() - t0
+    stop = threading.Event()
+    timer = threading.Timer(whole / 4, stop.set)
+    t0 = time.perf_counter()
+    timer.start()
+    with pytest.raises(Stopped):
+        prefill(stop)
+    torch.cuda.synchronize()
+    assert time.perf_counter() - t0 < 0.6 * whole, f"the device ran on after the Stop (whole forward {whole:.3f} s)"
 
 
 def test_graph_replayed_decoding_matches_eager(triton):
