@@ -297,7 +297,8 @@ class Planner:
     which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds (or
     SETTLE_MS of decoding) and weigh_every_ms have passed since it last looked, it weighs the candidates again and
     switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times (after that only back to
-    autoregressive decoding, when the plan falls below it). `level1`: a drafter is there; `level2`: level 2's cache
+    autoregressive decoding, when the plan falls below it). A drafting plan is taken only when expected SWITCH_GAIN
+    times faster than autoregressive decoding, the first one too. `level1`: a drafter is there; `level2`: level 2's cache
     leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
 
     estimates: Estimates
@@ -335,6 +336,8 @@ class Planner:
         fresh = self.current is None or self.reason.startswith("measuring")  # else due (the first line)
         self.since_weighed_ms = 0.0
         h, r = best(self.options, self.estimates)
+        if h.gamma2 and r < SWITCH_GAIN * self._autoregressive():  # a drafting plan must clearly beat AR to be taken
+            h, r = AUTOREGRESSIVE, self._autoregressive()
         if not fresh and self.switches >= MAX_SWITCHES:  # out of switches: only back to autoregressive decoding
             h, r = AUTOREGRESSIVE, self._autoregressive()
         now = rate(self.current, self.estimates) if self.current else None
