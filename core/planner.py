@@ -91,9 +91,9 @@ RECENT = 9
 @dataclass
 class Costs:
     """Measured milliseconds (None until seen): level 1 per token asked of it, a level-2 forward, a level-3
-    forward by its number of new tokens, and the per-round overhead of keeping level 2's cache in step; each the
-    low median of its RECENT latest samples, level 1 their pooled time per token (_pooled) (`samples` by figure
-    name, `level3_samples` by rows)."""
+    forward by its number of new tokens, and the per-round overhead of keeping level 2's cache in step. Each is
+    the low median of its RECENT latest samples, but level 1's is their pooled time per token (see _pooled).
+    `samples` holds them by figure name, `level3_samples` by rows."""
 
     level1: float | None = None
     level2: float | None = None
@@ -298,8 +298,8 @@ class Planner:
     SETTLE_MS of decoding) and weigh_every_ms have passed since it last looked, it weighs the candidates again and
     switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times (after that only back to
     autoregressive decoding, when the plan falls below it). A drafting plan is taken only when expected SWITCH_GAIN
-    times faster than autoregressive decoding, the first one too. `level1`: a drafter is there; `level2`: level 2's cache
-    leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
+    times faster than autoregressive decoding, the first one too. `level1`: a drafter is there; `level2`: level 2's
+    cache leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
 
     estimates: Estimates
     level1: bool
@@ -336,14 +336,14 @@ class Planner:
         fresh = self.current is None or self.reason.startswith("measuring")  # else due (the first line)
         self.since_weighed_ms = 0.0
         h, r = best(self.options, self.estimates)
-        if h.gamma2 and r < SWITCH_GAIN * self._autoregressive():  # a drafting plan must clearly beat AR to be taken
-            h, r = AUTOREGRESSIVE, self._autoregressive()
-        if not fresh and self.switches >= MAX_SWITCHES:  # out of switches: only back to autoregressive decoding
-            h, r = AUTOREGRESSIVE, self._autoregressive()
+        ar = self._autoregressive()
+        # a drafting plan must clearly beat AR to be taken; out of switches, only a way back to AR is left
+        if (h.gamma2 and r < SWITCH_GAIN * ar) or (not fresh and self.switches >= MAX_SWITCHES):
+            h, r = AUTOREGRESSIVE, ar
         now = rate(self.current, self.estimates) if self.current else None
         # another plan must be clearly faster to replace the current one, unless the current one is now expected
         # slower than autoregressive decoding (which the planner never knowingly stays)
-        if fresh or now is None or (h != self.current and (r > SWITCH_GAIN * now or now < self._autoregressive())):
+        if fresh or now is None or (h != self.current and (r > SWITCH_GAIN * now or now < ar)):
             self.weigh_every_ms, self.expected = WEIGH_EVERY_MS, r
             return self._set(h, self.explain(h, r))
         # kept: looked at again later while it is the best, soon while another comes close
