@@ -38,7 +38,9 @@ def graph_us(fn, copies: int, n: int = 24) -> float:
 
 ATTENTION_SHAPES = ((9, 3, 64, 1, 131072, 3), (9, 3, 64, 3, 4200, 30), (32, 32, 128, 1, 122880, 1),
                     (32, 32, 128, 3, 4200, 8))  # q heads, kv heads, head dim, new tokens, cached keys, copies
-GEMV_SHAPES = ((4096, 4096), (4096, 11008), (12288, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536))
+GEMV_SHAPES = ((4096, 4096), (4096, 11008), (12288, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536),
+               (2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (1152, 896), (896, 896), (9728, 896),
+               (896, 4864))  # ... and the real Qwen2.5-Coder 1.5B / 0.5B pair's qkv, o, gate/up, down
 
 
 def sweep_attention() -> None:
@@ -61,14 +63,16 @@ def sweep_attention() -> None:
 
 
 def gemv_bandwidth() -> None:
-    """The autotuned decode GEMV per weight shape, 1, 3 and 24 rows (the last in the 32-row block)."""
+    """The autotuned decode GEMV per weight shape, 1, 3 and 24 rows (the last in the 32-row block), beside cuBLAS."""
     for n_out, kin in GEMV_SHAPES:
         copies = max(2, int(400e6 // (n_out * kin * 2)))
         ws = [torch.randn(n_out, kin, device=DEV, dtype=BF16) for _ in range(copies)]
         for m in (1, 3, 24):
             x = torch.randn(m, kin, device=DEV, dtype=BF16)
             us = graph_us(lambda i: k.gemv(x, ws[i], None, None), copies)
-            print(f"gemv {n_out}x{kin} m{m}: {us} us = {n_out * kin * 2 / us / 1e6:.2f} TB/s", flush=True)
+            cublas = graph_us(lambda i: torch.nn.functional.linear(x, ws[i]), copies)
+            print(f"gemv {n_out}x{kin} m{m}: {us} us = {n_out * kin * 2 / us / 1e6:.2f} TB/s (cuBLAS {cublas} us)",
+                  flush=True)
 
 
 if __name__ == "__main__":
