@@ -128,18 +128,20 @@ def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats:
 def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) -> dict:
     """What the planner's own cost model says the best plan could reach on this prompt: the step costs the engine's
     cost book holds for sampled runs of this kind (measured by the runs just made) and the acceptances the sampled
-    fixed-TriForce runs saw, every candidate weighed; beside the costs it used."""
-    model = sampled["triforce-model"]
-    e = engine.costs.estimates(offloaded, prompt_tokens, False, model["budget"], model["drafter"])
-    e.a1, e.a2 = prior(model["level1_acceptance"]), prior(model["level2_acceptance"])
-    e.a13, e.offered = None, prior(1.0)
-    options = candidates(True, GenerationConfig().gamma1, AUTO_GAMMA2)
+    fixed-TriForce runs saw, with each drafter, every candidate weighed; beside the costs it used."""
+    runs = {name: sampled[f"triforce-{name}"] for name in ("model", "ngram") if f"triforce-{name}" in sampled}
+    e = engine.costs.estimates(offloaded, prompt_tokens, False, runs["model"]["budget"], list(runs))
+    e.a2 = prior(runs["model"]["level2_acceptance"])
+    for name, run in runs.items():  # the fixed runs' acceptance at level 2 stands for a1 and a13 alike
+        e.level1[name].a1, e.level1[name].a13 = prior(run["level1_acceptance"]), None
     ar = rate(AUTOREGRESSIVE, e)
-    top = best(options, e)
+    top = best(candidates(list(runs), GenerationConfig().gamma1, AUTO_GAMMA2), e)
     c = e.costs
-    return {"level1_ms": c.level1, "level2_ms": c.level2, "overhead_ms": c.overhead,
-            "level3_ms": {str(k): v for k, v in sorted(c.level3.items())}, "a1": model["level1_acceptance"],
-            "a2": model["level2_acceptance"], "best_plan": top[0].name if top else None,
+    return {"level1_ms": {name: d.ms for name, d in e.level1.items()},
+            "offered": {name: d.offered.rate for name, d in e.level1.items()}, "level2_ms": c.level2,
+            "overhead_ms": c.overhead, "level3_ms": {str(k): v for k, v in sorted(c.level3.items())},
+            "a1": {name: run["level1_acceptance"] for name, run in runs.items()},
+            "a2": runs["model"]["level2_acceptance"], "best_plan": top[0].name if top else None,
             "expected_speedup": top[1] / ar if top and ar else None}
 
 

@@ -56,7 +56,7 @@ class Autoregressive:
                 self.margins.append(top[0] - top[1])
             ms = (clock(target.graphs) - t0) * 1e3
             if step:  # a first eager step may still compile kernels (a graph's capture is not on the clock)
-                self.costs.observe(0, 0.0, 0, 0.0, 1, ms, 0.0)
+                self.costs.observe(0, 0.0, 1, ms, 0.0)
             seq.append(token)
             yield out.add([token], ["target"], step)
             yield StepTiming(step, 0.0, 0.0, ms, 0.0, 1)

@@ -15,7 +15,7 @@ import transformers
 from core.autoregressive import Autoregressive
 from core.config import AUTO_GAMMA2, GenerationConfig, TriForceError
 from core.cuda_graphs import Graphs
-from core.drafters import DraftContext, Drafter, drafter_name, make_drafter
+from core.drafters import DraftContext, Drafter, drafter_names, make_drafters
 from core.events import Event, Finished, Footprint, Loading, PrefillProgress, PromptReady, Stats
 from core.levels import Level, Stopped
 from core.loading import default_draft, device_and_dtype, load_draft, load_model
@@ -143,9 +143,9 @@ class Engine:
         """Tokens of user text, tokenised as a prompt holds it (special-token strings as plain text)."""
         return len(plain_ids(self.tokenizer, text))
 
-    def drafter(self, plan: Plan, prompt: list[int], generator: torch.Generator) -> Drafter:
-        """The level-1 drafter the plan's settings name, for this prompt."""
-        return make_drafter(plan.cfg.drafter, DraftContext(
+    def drafters(self, plan: Plan, prompt: list[int], generator: torch.Generator) -> dict[str, Drafter]:
+        """The level-1 drafters the plan's settings name (drafter_names), for this prompt."""
+        return make_drafters(self._drafter_names(plan.cfg), DraftContext(
             self.draft, plan.cfg, prompt, self.target.args.vocab_size, generator,
             lambda: self.memory.streaming_cache(plan, self.draft), self.graphs))
 
@@ -230,8 +230,7 @@ class Engine:
         forwards, moved = target.forwards, target.cache.moved
         captured = self.graphs.capture_s if self.graphs else 0.0
         yield from decoder.run()
-        self.costs.learn(plan.placement.offloaded, len(ids), cfg.is_greedy, cfg.budget, self._drafter_name(cfg),
-                         decoder.measured())
+        self.costs.learn(plan.placement.offloaded, len(ids), cfg.is_greedy, cfg.budget, decoder.measured())
         warmup_s = (self.graphs.capture_s if self.graphs else 0.0) - captured
         decode_s = time.perf_counter() - t1 - warmup_s  # capturing graphs (first use of a shape) is not decoding
         n, forwards = len(out.ids), target.forwards - forwards
@@ -252,15 +251,15 @@ class Engine:
         cfg = plan.cfg
         if cfg.method == "ar":
             return Autoregressive(target, ids, cfg, generator, out)
-        drafter = self.drafter(plan, ids, generator)
+        drafters = self.drafters(plan, ids, generator)
         estimates = self.costs.estimates(plan.placement.offloaded, len(ids), cfg.is_greedy, cfg.budget,
-                                         drafter.name) if cfg.method == "auto" else None
-        return TriForce(target, ids, self.memory.kept.queries, drafter, cfg, generator, out,
+                                         list(drafters)) if cfg.method == "auto" else None
+        return TriForce(target, ids, self.memory.kept.queries, drafters, cfg, generator, out,
                         self.memory.retrieval_cache(plan), self.graphs, self.memory.index_device(plan), estimates)
 
-    def _drafter_name(self, cfg: GenerationConfig) -> str:
-        """The level-1 drafter a run of these settings uses."""
-        return drafter_name(cfg.drafter, self.draft is not None)
+    def _drafter_names(self, cfg: GenerationConfig) -> list[str]:
+        """The level-1 drafters a run of these settings holds."""
+        return drafter_names(cfg.drafter, cfg.method, self.draft is not None)
 
     def _prefill(self, target: Level, ids: list[int], cfg: GenerationConfig, t0: float,
                  stop: threading.Event | None = None) -> Iterator[PrefillProgress]:

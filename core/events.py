@@ -108,13 +108,13 @@ class Tokens(Event):
 
 @dataclass
 class PlanChosen(Event):
-    """From round `round` on, the hierarchy the planner chose (method auto) and why: which levels draft and how
-    many tokens (gamma2 0: autoregressive)."""
+    """From round `round` on, the hierarchy the planner chose (method auto) and why: which levels draft (level1:
+    the drafter, "" for none) and how many tokens (gamma2 0: autoregressive)."""
 
     round: int
     plan: str
     reason: str
-    level1: bool
+    level1: str
     level2: bool
     gamma1: int
     gamma2: int

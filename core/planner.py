@@ -4,9 +4,10 @@ step costs and the acceptance seen so far.
 TriForce pays only where reading the full KV cache is the expensive part of a step; elsewhere its extra levels are
 overhead. So each round the planner picks among four hierarchies -- autoregressive (level 3 alone), level 1 → 3
 (classic two-model speculative decoding), level 2 → 3 (self-speculation on the retrieval cache) and 1 → 2 → 3
-(TriForce) -- and their γs. Every one verifies exactly as the others do, so a plan changes the speed, never the
-output distribution. A verification of γ drafts, each accepted with probability α, emits 1 + α + ... + α^γ tokens
-(Leviathan et al., 2023); divided by the round's cost, measured level by level, that is each candidate's speed.
+(TriForce) -- their γs, and which drafter drafts at level 1 where a run holds two (a draft model and prompt
+lookup). Every one verifies exactly as the others do, so a plan changes the speed, never the output distribution.
+A verification of γ drafts, each accepted with probability α, emits 1 + α + ... + α^γ tokens (Leviathan et al.,
+2023); divided by the round's cost, measured level by level, that is each candidate's speed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import copy
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Sequence, TypeVar
 
 from core.events import verified
 
@@ -39,11 +40,11 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """The levels a round uses: `level1` drafts (a draft model or prompt lookup); `level2` (the target on the
+    """The levels a round uses: `level1` names the drafter that drafts ("": none), `level2` (the target on the
     retrieval cache) checks level 1 and drafts for level 3; `gamma1` level-1 tokens per level-2 check, `gamma2`
     drafted tokens per level-3 check (0: autoregressive)."""
 
-    level1: bool
+    level1: str
     level2: bool
     gamma1: int = 0
     gamma2: int = 0
@@ -52,12 +53,14 @@ class Hierarchy:
     def name(self) -> str:
         if not self.gamma2:
             return "autoregressive"
+        by = f"{LEVEL1_NAMES.get(self.level1, self.level1)}, " if self.level1 else ""
         if self.level1 and self.level2:
-            return f"levels 1 → 2 → 3 (γ1 {self.gamma1}, γ2 {self.gamma2})"
-        return f"levels {1 if self.level1 else 2} → 3 (γ {self.gamma2})"
+            return f"levels 1 → 2 → 3 ({by}γ1 {self.gamma1}, γ2 {self.gamma2})"
+        return f"levels {1 if self.level1 else 2} → 3 ({by}γ {self.gamma2})"
 
 
-AUTOREGRESSIVE = Hierarchy(False, False)
+AUTOREGRESSIVE = Hierarchy("", False)
+LEVEL1_NAMES = {"model": "draft model", "ngram": "prompt lookup"}  # how a plan's name calls each drafter
 
 
 @dataclass
@@ -90,12 +93,10 @@ RECENT = 9
 
 @dataclass
 class Costs:
-    """Measured milliseconds (None until seen): level 1 per token asked of it, a level-2 forward, a level-3
-    forward by its number of new tokens, and the per-round overhead of keeping level 2's cache in step. Each is
-    the low median of its RECENT latest samples, but level 1's is their pooled time per token (see _pooled).
-    `samples` holds them by figure name, `level3_samples` by rows."""
+    """Measured milliseconds of levels 2 and 3 (None until seen): a level-2 forward, a level-3 forward by its number
+    of new tokens, and the per-round overhead of keeping level 2's cache in step. Each is the low median of its
+    RECENT latest samples: `samples` holds them by figure name, `level3_samples` by rows."""
 
-    level1: float | None = None
     level2: float | None = None
     level3: dict[int, float] = field(default_factory=dict)
     overhead: float = 0.0
@@ -116,13 +117,10 @@ class Costs:
         a, b = (max(r for r in sizes if r < rows), above[0]) if above else (sizes[-2], sizes[-1])
         return max(self.level3[a], self.level3[a] + (self.level3[b] - self.level3[a]) * (rows - a) / (b - a))
 
-    def observe(self, level1_asked: int, level1_ms: float, level2_forwards: int, level2_ms: float,
-                level3_rows: int, level3_ms: float, overhead_ms: float) -> None:
-        """One round's measurements: level 1's time for the tokens it was asked for (prompt lookup often proposes
-        none, and pays for looking all the same), level 2's for its forwards, the level-3 forward over
-        `level3_rows` new tokens, and the round's overhead."""
-        if level1_asked:
-            self.level1 = _pooled(self.samples, "level1", level1_ms, level1_asked)
+    def observe(self, level2_forwards: int, level2_ms: float, level3_rows: int, level3_ms: float,
+                overhead_ms: float) -> None:
+        """One round's measurements: level 2's time for its forwards, the level-3 forward over `level3_rows` new
+        tokens, and the round's overhead."""
         if level2_forwards:
             self.level2 = _sample(self.samples, "level2", level2_ms / level2_forwards)
             self.overhead = _sample(self.samples, "overhead", overhead_ms)
@@ -133,25 +131,72 @@ class Costs:
 
     def figures(self) -> list[float]:
         """Every cost measured, in milliseconds."""
-        return [ms for ms in (self.level1, self.level2, *self.level3.values()) if ms is not None]
+        return [ms for ms in (self.level2, *self.level3.values()) if ms is not None]
+
+
+@dataclass
+class Drafting:
+    """What one level-1 drafter has shown: its milliseconds per token asked of it (None until measured), the
+    acceptance of its tokens at level 2 (a1) and at level 3 directly (a13: a1 until measured), and the share of
+    asked tokens it proposes (prompt lookup proposes nothing without a match). `samples`: (ms, tokens asked) of its
+    latest rounds."""
+
+    ms: float | None = None
+    a1: Estimate = field(default_factory=lambda: prior(0.5))
+    a13: Estimate | None = None
+    offered: Estimate = field(default_factory=lambda: prior(1.0))
+    samples: deque = field(default_factory=lambda: deque(maxlen=RECENT), repr=False)
+
+    def timed(self, asked: int, ms: float) -> None:
+        """One round's time for the tokens it was asked for (proposed or not: looking costs all the same)."""
+        self.samples.append((ms, asked))
+        self.ms = _pooled(self.samples)
+
+    def checked(self, by: int, asked: int, proposed: int, accepted: int) -> None:
+        """Asked for `asked` tokens it proposed `proposed`, of which level `by` (2, or 3 directly) accepted
+        `accepted`."""
+        self.offered.verified += asked
+        self.offered.accepted += proposed
+        if by == 2:
+            self.a1.add(proposed, accepted)
+            return
+        if self.a13 is None:
+            self.a13 = Estimate(self.a1.verified, self.a1.accepted)
+        self.a13.add(proposed, accepted)
+
+    def shadowed(self, asked: int, proposed: int, accepted: int) -> None:
+        """What it would have proposed, checked against the tokens level 3 emitted (see TriForce.shadow); it stands
+        in for both acceptances, level 2 being the target on most of the same context."""
+        if self.a13 is None:
+            self.a13 = Estimate(self.a1.verified, self.a1.accepted)
+        self.offered.verified += asked
+        self.offered.accepted += proposed
+        self.a1.add(proposed, accepted)
+        self.a13.add(proposed, accepted)
+
+    def rates(self) -> dict[str, float]:
+        """The acceptances it observed (not priors), by field name: what a next run of its kind starts from."""
+        return {name: a.rate for name in ("a1", "a13", "offered")
+                if (a := getattr(self, name)) is not None and a.verified > PRIOR_WEIGHT}
 
 
 class CostBook:
     """What earlier runs of one engine measured, so that a run starts from it: step costs (their recent samples too)
     and the acceptances a run of the same kind ended with (as priors: a second run on a document starts from what
     the first one saw). Level-3 steps are kept by regime: offloaded or not, prompt length (its power of two),
-    greedy or sampled (a sampled row pays for its distribution); levels 1 and 2 and the acceptances also by budget
-    and drafter."""
+    greedy or sampled (a sampled row pays for its distribution); level 2 and its acceptance also by budget, and each
+    drafter's figures by budget and drafter."""
 
     def __init__(self):
         self.level3: dict[tuple, Costs] = {}
         self.levels: dict[tuple, Costs] = {}
-        self.acceptance: dict[tuple, dict[str, float]] = {}  # by run kind: Estimates field -> rate
+        self.drafting: dict[tuple, Drafting] = {}
+        self.acceptance: dict[tuple, dict[str, float]] = {}  # by run kind ("a2") and drafter (Drafting.rates)
 
     @staticmethod
-    def _keys(offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, drafter: str) -> tuple[tuple, tuple]:
+    def _keys(offloaded: bool, prompt_tokens: int, greedy: bool, budget: int) -> tuple[tuple, tuple]:
         regime = (offloaded, prompt_tokens.bit_length(), greedy)
-        return regime, (*regime, budget, drafter)
+        return regime, (*regime, budget)
 
     @staticmethod
     def _nearest(table: dict[tuple, T], key: tuple, other: bool = False) -> tuple[T | None, bool]:
@@ -163,13 +208,15 @@ class CostBook:
         nearest = min(alike, key=lambda k: (k[2] != key[2], abs(k[1] - key[1])), default=None)
         return (table[nearest], True) if nearest is not None else (None, False)
 
-    def estimates(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, drafter: str) -> Estimates:
-        """What is known for a run of this kind (a copy: the run's measurements go back through learn). What no run
-        of this kind measured, the nearest kind's figures stand in for (_nearest), without their samples (the run's
-        first measurements replace them); its level-3 sizes scaled by a size both lengths measured (an
-        autoregressive run on the document, say), else by the run's first level-3 measurement. A first auto run on
-        a new document then starts as a second one would, instead of spending rounds on measuring."""
-        regime, run = self._keys(offloaded, prompt_tokens, greedy, budget, drafter)
+    def estimates(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int,
+                  drafters: Sequence[str] = ()) -> Estimates:
+        """What is known for a run of this kind with these level-1 drafters (a copy: the run's measurements go back
+        through learn). What no run of this kind measured, the nearest kind's figures stand in for (_nearest),
+        without their samples (the run's first measurements replace them); its level-3 sizes scaled by a size both
+        lengths measured (an autoregressive run on the document, say), else by the run's first level-3
+        measurement. A first auto run on a new document then starts as a second one would, instead of spending
+        rounds on measuring."""
+        regime, run = self._keys(offloaded, prompt_tokens, greedy, budget)
         own, near = self.level3.get(regime, Costs()), self._nearest(self.level3, regime, other=True)[0]
         level3, borrowed = dict(own.level3), False
         if near is not None and set(near.level3) - set(level3):
@@ -182,32 +229,42 @@ class CostBook:
             level3, borrowed = {rows: ms * scale for rows, ms in near.level3.items()} | level3, not then
         levels, far = self._nearest(self.levels, run)
         levels = levels or Costs()
-        e = Estimates(copy.deepcopy(Costs(levels.level1, levels.level2, level3, levels.overhead,
-                                          {} if far else levels.samples, own.level3_samples, borrowed)))
-        for name, alpha in (self._nearest(self.acceptance, run)[0] or {}).items():
-            setattr(e, name, prior(alpha))
+        e = Estimates(copy.deepcopy(Costs(levels.level2, level3, levels.overhead, {} if far else levels.samples,
+                                          own.level3_samples, borrowed)))
+        if (a2 := (self._nearest(self.acceptance, run)[0] or {}).get("a2")) is not None:
+            e.a2 = prior(a2)
+        for name in drafters:
+            known, far = self._nearest(self.drafting, (*run, name))
+            d = e.level1[name] = Drafting(known.ms, samples=copy.deepcopy(known.samples)) if known and not far \
+                else Drafting(known.ms if known else None)
+            for field_name, alpha in (self._nearest(self.acceptance, (*run, name))[0] or {}).items():
+                setattr(d, field_name, prior(alpha))
         return e
 
-    def learn(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, drafter: str,
-              e: Estimates) -> None:
-        """Keep a run's measurements: its level-3 sizes beside those of other runs of the regime, its levels 1-2,
-        the acceptances it observed."""
-        regime, run = self._keys(offloaded, prompt_tokens, greedy, budget, drafter)
+    def learn(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, e: Estimates) -> None:
+        """Keep a run's measurements: its level-3 sizes beside those of other runs of the regime, level 2's and
+        each drafter's figures, the acceptances it observed (a run that observed none, all autoregressive, must not
+        hide what a nearby kind saw)."""
+        regime, run = self._keys(offloaded, prompt_tokens, greedy, budget)
         costs = e.costs
         full = self.level3.setdefault(regime, Costs())
         full.level3.update(costs.level3)
         full.level3_samples.update(copy.deepcopy(costs.level3_samples))
-        if costs.level2 is not None or costs.level1 is not None:
-            self.levels[run] = Costs(costs.level1, costs.level2, overhead=costs.overhead,
+        if costs.level2 is not None:
+            self.levels[run] = Costs(costs.level2, overhead=costs.overhead,
                                      samples=copy.deepcopy(costs.samples))  # level 3 lives in self.level3
-        seen = {name: a.rate for name in ACCEPTANCES
-                if (a := getattr(e, name)) is not None and a.verified > PRIOR_WEIGHT}  # observed, not a prior
-        if seen:  # a run that observed none (all autoregressive) must not hide what a nearby kind saw
-            self.acceptance[run] = self.acceptance.get(run, {}) | seen
+        if e.a2.verified > PRIOR_WEIGHT:  # observed, not a prior
+            self.acceptance[run] = {"a2": e.a2.rate}
+        for name, d in e.level1.items():
+            if d.ms is not None:
+                self.drafting[(*run, name)] = Drafting(d.ms, samples=copy.deepcopy(d.samples))
+            if seen := d.rates():
+                self.acceptance[(*run, name)] = self.acceptance.get((*run, name), {}) | seen
 
     def figures(self) -> list[float]:
         """Every cost the book holds, in milliseconds."""
-        return [ms for costs in (*self.level3.values(), *self.levels.values()) for ms in costs.figures()]
+        return [ms for costs in (*self.level3.values(), *self.levels.values()) for ms in costs.figures()] + \
+            [d.ms for d in self.drafting.values() if d.ms is not None]
 
 
 def _sample(windows: dict, figure: str | int, ms: float) -> float:
@@ -218,13 +275,11 @@ def _sample(windows: dict, figure: str | int, ms: float) -> float:
     return statistics.median_low(window)
 
 
-def _pooled(windows: dict, figure: str, ms: float, count: int) -> float:
-    """Add one round's time and count to a figure's window; the figure's new value: the time per count over the
-    window, less its costliest round once it holds three. A level-1 token's cost is a mix -- a copied one costs
-    next to nothing, one the draft model makes costs a forward -- which a median of rounds would read as the
-    commoner kind alone; leaving out one round still keeps a single stall from steering it."""
-    window = windows.setdefault(figure, deque(maxlen=RECENT))
-    window.append((ms, count))
+def _pooled(window: deque) -> float:
+    """The time per count over a window of (ms, count) rounds, less its costliest round once it holds three. A
+    level-1 token's cost is a mix -- a copied one costs next to nothing, one the draft model makes costs a forward --
+    which a median of rounds would read as the commoner kind alone; leaving out one round still keeps a single stall
+    from steering it."""
     kept = sorted(window, key=lambda r: r[0] / r[1])[:-1] if len(window) >= 3 else window
     return sum(m for m, _ in kept) / sum(c for _, c in kept)
 
@@ -236,50 +291,43 @@ def expected_tokens(alpha: float, gamma: float) -> float:
 
 @dataclass
 class Estimates:
-    """What the planner knows: the costs, the acceptance of level 1 at level 2 (a1), of level 2 at level 3 (a2) and
-    of level 1 directly at level 3 (a13: a1 until measured), and the share of asked level-1 tokens a drafter gives
-    (prompt lookup proposes nothing without a match)."""
+    """What the planner knows: the costs of levels 2 and 3, the acceptance of level 2 at level 3 (a2), and what each
+    level-1 drafter has shown, by name."""
 
     costs: Costs = field(default_factory=Costs)
-    a1: Estimate = field(default_factory=lambda: prior(0.5))
     # level 2 is the target itself on the chunks its own queries chose: the real Qwen pair's level 3 accepted 0.90-0.99
     # of its drafts on prose, code and a pass key (bench.real), the paper reports ~0.9 and above
     a2: Estimate = field(default_factory=lambda: prior(0.9))
-    a13: Estimate | None = None
-    offered: Estimate = field(default_factory=lambda: prior(1.0))  # verified: asked; accepted: given
-
-
-ACCEPTANCES = ("a1", "a2", "a13", "offered")  # the Estimates fields a next run of the same kind starts from
+    level1: dict[str, Drafting] = field(default_factory=dict)
 
 
 def rate(h: Hierarchy, e: Estimates) -> float | None:
     """Expected tokens per millisecond of `h` (None while a cost it needs is unmeasured)."""
     c = e.costs
     verify = c.verify(h.gamma2 + 1)
-    if verify is None or (h.level1 and c.level1 is None) or (h.level2 and c.level2 is None):
+    d = e.level1.get(h.level1)
+    if verify is None or (h.level1 and (d is None or d.ms is None)) or (h.level2 and c.level2 is None):
         return None
     if not h.gamma2:
         return 1.0 / verify if verify > 0 else None
-    given = e.offered.rate
     if h.level2:  # level 2 makes γ2 tokens, each level-2 forward checking γ1 level-1 tokens when level 1 drafts
-        per_forward = expected_tokens(e.a1.rate, given * h.gamma1) if h.level1 else 1.0
-        forward = c.level2 + (h.gamma1 * c.level1 if h.level1 else 0.0)
+        per_forward = expected_tokens(d.a1.rate, d.offered.rate * h.gamma1) if d else 1.0
+        forward = c.level2 + (h.gamma1 * d.ms if d else 0.0)
         return expected_tokens(e.a2.rate, h.gamma2) / (h.gamma2 * forward / per_forward + verify + c.overhead)
-    alpha = (e.a13 or e.a1).rate
-    return expected_tokens(alpha, given * h.gamma2) / (h.gamma2 * c.level1 + verify)
+    return expected_tokens((d.a13 or d.a1).rate, d.offered.rate * h.gamma2) / (h.gamma2 * d.ms + verify)
 
 
-def candidates(level1: bool, gamma1_max: int, gamma2_max: int, level2: bool = True) -> list[Hierarchy]:
-    """The hierarchies and γs a run weighs (level 1 only where a drafter is there, level 2 only where its cache
-    leaves part of the prompt out)."""
+def candidates(drafters: Sequence[str], gamma1_max: int, gamma2_max: int, level2: bool = True) -> list[Hierarchy]:
+    """The hierarchies and γs a run weighs: level 1 by each of its drafters, level 2 only where its cache leaves part
+    of the prompt out."""
     gammas = [g for g in GAMMAS if g < gamma2_max] + [gamma2_max]
     out = [AUTOREGRESSIVE]
     if level2:
-        out += [Hierarchy(False, True, 0, g) for g in gammas]
-    if level1:
-        out += [Hierarchy(True, False, 0, g) for g in gammas]
-    if level1 and level2:
-        out += [Hierarchy(True, True, g1, g2) for g1 in range(1, gamma1_max + 1) for g2 in gammas]
+        out += [Hierarchy("", True, 0, g) for g in gammas]
+    for name in drafters:
+        out += [Hierarchy(name, False, 0, g) for g in gammas]
+        if level2:
+            out += [Hierarchy(name, True, g1, g2) for g1 in range(1, gamma1_max + 1) for g2 in gammas]
     return out
 
 
@@ -298,15 +346,17 @@ class Planner:
     SETTLE_MS of decoding) and weigh_every_ms have passed since it last looked, it weighs the candidates again and
     switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times (after that only back to
     autoregressive decoding, when the plan falls below it). A drafting plan is taken only when expected SWITCH_GAIN
-    times faster than autoregressive decoding, the first one too. `level1`: a drafter is there; `level2`: level 2's
-    cache leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
+    times faster than autoregressive decoding, the first one too. `drafters`: the level-1 drafters there, the first
+    measured first (the others' plans are weighed once their figures are known: see TriForce.shadow); `level2`:
+    level 2's cache leaves part of the prompt out (else it reads what level 3 does, for nothing)."""
 
     estimates: Estimates
-    level1: bool
+    drafters: Sequence[str]
     gamma1_max: int
     gamma2_max: int
     streamed: bool = False
     level2: bool = True
+    fixed: Hierarchy | None = None  # the hierarchy of every round (method triforce): the planner then only records
     current: Hierarchy | None = None
     rounds: int = 0  # in the current plan
     switches: int = 0
@@ -317,19 +367,25 @@ class Planner:
     options: list[Hierarchy] = field(init=False)  # the candidates it weighs
 
     def __post_init__(self):
-        self.options = candidates(self.level1, self.gamma1_max, self.gamma2_max, self.level2)
+        self.options = candidates(self.drafters, self.gamma1_max, self.gamma2_max, self.level2)
+        for name in self.drafters:
+            self.estimates.level1.setdefault(name, Drafting())
 
     def choose(self) -> Hierarchy:
         """The hierarchy of the next round."""
+        if self.fixed is not None:
+            return self.fixed
         if self.current is not None and not self.reason.startswith("measuring") and not self._due():
             return self.current  # most rounds: nothing to decide
         c = self.estimates.costs
         if self.options == [AUTOREGRESSIVE]:
             return self._set(AUTOREGRESSIVE, "no level can draft: the retrieval budget covers the whole prompt "
                                              "(level 2 would read what level 3 reads) and no level-1 drafter is there")
-        fullest = Hierarchy(self.level1, self.level2, self.gamma1_max if self.level1 and self.level2 else 0,
+        first = self.drafters[0] if self.drafters else ""
+        fullest = Hierarchy(first, self.level2, self.gamma1_max if first and self.level2 else 0,
                             min(6, self.gamma2_max))
-        if (self.level2 and c.level2 is None) or (self.level1 and c.level1 is None) or not set(c.level3) - {1}:
+        if (self.level2 and c.level2 is None) or (first and self.estimates.level1[first].ms is None) \
+                or not set(c.level3) - {1}:
             return self._set(fullest, "measuring what each level costs")
         if 1 not in c.level3 and not self.streamed:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
@@ -369,19 +425,20 @@ class Planner:
 
     def explain(self, h: Hierarchy, r: float) -> str:
         """One line on why `h` was chosen: its expected speed over autoregressive decoding and the costs behind it."""
-        c = self.estimates.costs
-        ar = rate(AUTOREGRESSIVE, self.estimates)
+        e = self.estimates
+        c = e.costs
+        ar = rate(AUTOREGRESSIVE, e)
         parts = [f"expected {r / ar:.2f}× autoregressive" if ar else ""]
         full = c.verify(1)
         if c.level2 is not None and full:
             parts.append(f"a level-2 step costs {c.level2 / full:.0%} of a full one")
-        if c.level1 is not None and full:
-            parts.append(f"a level-1 token {c.level1 / full:.0%}")
-        e = self.estimates
+        d = e.level1.get(h.level1 or (self.drafters[0] if self.drafters else ""))
+        if d is not None and d.ms is not None and full:
+            parts.append(f"a level-1 token {d.ms / full:.0%}")
         if h.level1 and not h.level2:
-            parts.append(f"acceptance of level 1 at level 3 {(e.a13 or e.a1).rate:.2f}")
+            parts.append(f"acceptance of level 1 at level 3 {(d.a13 or d.a1).rate:.2f}")
         elif h.gamma2:
-            parts.append(f"acceptance L1 {e.a1.rate:.2f}, L2 {e.a2.rate:.2f}")
+            parts.append((f"acceptance L1 {d.a1.rate:.2f}, " if h.level1 else "") + f"L2 {e.a2.rate:.2f}")
         return "; ".join(p for p in parts if p)
 
     def _set(self, h: Hierarchy, reason: str) -> Hierarchy:
@@ -392,26 +449,28 @@ class Planner:
         self.reason = reason
         return h
 
-    def observe(self, level1_asked: int, level1_ms: float, level2_forwards: int, level2_ms: float,
+    def observe(self, level1: str, level1_asked: int, level1_ms: float, level2_forwards: int, level2_ms: float,
                 level3_rows: int, level3_ms: float, overhead_ms: float) -> None:
-        """One round's measured costs (as Costs.observe takes them)."""
+        """One round's measured costs: drafter `level1`'s time for the tokens asked of it, then as Costs.observe
+        takes them."""
         self.rounds += 1
         self.since_weighed_ms += level1_ms + level2_ms + level3_ms + overhead_ms
-        self.estimates.costs.observe(level1_asked, level1_ms, level2_forwards, level2_ms, level3_rows, level3_ms,
-                                     overhead_ms)
+        if level1_asked:
+            self.estimates.level1[level1].timed(level1_asked, level1_ms)
+        self.estimates.costs.observe(level2_forwards, level2_ms, level3_rows, level3_ms, overhead_ms)
 
-    def level1_checked(self, by: int, asked: int, proposed: int, accepted: int) -> None:
-        """Level 1 was asked for `asked` tokens, proposed `proposed`, and level `by` (2, or 3 directly) accepted
-        `accepted` of them."""
-        e = self.estimates
-        e.offered.verified += asked
-        e.offered.accepted += proposed
-        if by == 2:
-            e.a1.add(proposed, accepted)
-            return
-        if e.a13 is None:
-            e.a13 = Estimate(e.a1.verified, e.a1.accepted)
-        e.a13.add(proposed, accepted)
+    def level1_checked(self, drafter: str, by: int, asked: int, proposed: int, accepted: int) -> None:
+        """Drafter `drafter` was asked for `asked` tokens, proposed `proposed`, and level `by` (2, or 3 directly)
+        accepted `accepted` of them."""
+        self.estimates.level1[drafter].checked(by, asked, proposed, accepted)
+
+    def shadowed(self, drafter: str, checks: list[tuple[int, int, int]], ms: float) -> None:
+        """What drafter `drafter` would have proposed this round, as (asked, proposed, accepted) checks against the
+        tokens level 3 emitted, and the milliseconds asking it took."""
+        d = self.estimates.level1[drafter]
+        for check in checks:
+            d.shadowed(*check)
+        d.timed(sum(asked for asked, _, _ in checks), ms)
 
     def level2_checked(self, proposed: int, accepted: int) -> None:
         """Level 3 accepted `accepted` of level 2's `proposed` tokens."""

@@ -4,6 +4,7 @@ round (core.planner)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Generator, Iterator
 
@@ -18,7 +19,7 @@ from core.kvcache import KVCache
 from core.levels import Level
 from core.output import Output
 from core.parallel import agree
-from core.planner import Costs, Estimates, Hierarchy, Planner
+from core.planner import Estimates, Hierarchy, Planner
 from core.repetition import Repetition
 from core.retrieval import Retrieval
 from core.sampling import distributions, residual_distribution, speculative_verify
@@ -41,29 +42,32 @@ class Draft:
 class TriForce:
     """One generation: rounds of level-3 verification until `out` says stop. The target level's full cache must
     hold prompt[:-1]; `queries` are the ones its prefill recorded for the last prompt row (the first selection);
+    `drafters`: level 1's, by name (none: level 2 drafts alone), the first the default;
     `retrieval_cache`: where level 2's cache goes (core.memory sizes it); `index_device`: where the chunk index is
     kept (default: the model's device). Given `estimates` (method auto), a planner chooses each round's hierarchy
     from them and what it measures; without, every round is TriForce's 1 → 2 → 3 (2 → 3 with drafter none) at the
-    settings' γs."""
+    settings' γs, and the planner only records what the levels cost and accepted."""
 
-    def __init__(self, target: Level, prompt: list[int], queries: list[torch.Tensor], drafter: Drafter,
+    def __init__(self, target: Level, prompt: list[int], queries: list[torch.Tensor], drafters: dict[str, Drafter],
                  cfg: GenerationConfig, generator: torch.Generator, out: Output, retrieval_cache: KVCache,
                  graphs: Graphs | None = None, index_device: torch.device | None = None,
                  estimates: Estimates | None = None):
-        self.target, self.prompt, self.queries, self.drafter = target, prompt, queries, drafter
+        self.target, self.prompt, self.queries, self.drafters = target, prompt, queries, drafters
         self.graphs = graphs
         self.cfg, self.generator, self.out = cfg, generator, out
-        level1 = drafter.name != "none"
+        level1 = next(iter(drafters), "")
         model = target.model
         self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
-        self.planner = Planner(estimates, level1, cfg.gamma1, cfg.gamma2, streamed=not target.cache.resident,
-                               level2=self.retrieval.n_select < self.retrieval.index.num_chunks) if estimates else None
+        self.auto = estimates is not None
+        fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2)
+        self.planner = Planner(estimates or Estimates(), list(drafters), cfg.gamma1, cfg.gamma2,
+                               streamed=not target.cache.resident,
+                               level2=self.retrieval.n_select < self.retrieval.index.num_chunks,
+                               fixed=None if self.auto else fixed)
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs, drafting=True)
         self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
         self.counts = Acceptance()
-        self.fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2)
         self.plans: list[str] = []  # the planner's choices, in order
-        self.costs = estimates.costs if estimates else Costs()  # what each level's steps took
 
     def prepare(self) -> Iterator[Event]:
         """Before decoding: level 2's first selection, with the queries the prefill recorded for the last prompt
@@ -78,12 +82,13 @@ class TriForce:
         feature = None  # the target's hidden state that produced seq's last token (none for the prompt's)
         shown = None  # the plan the last PlanChosen named
         while not self.out.done:
-            h = self.planner.choose() if self.planner else self.fixed
-            if self.planner:  # timings differ between tensor-parallel ranks: all follow rank 0's choice
-                agreed = agree(h.level1, h.level2, h.gamma1, h.gamma2)
-                if agreed != (h.level1, h.level2, h.gamma1, h.gamma2):
-                    h = Hierarchy(bool(agreed[0]), bool(agreed[1]), agreed[2], agreed[3])
-            if self.planner and h != shown:
+            h = self.planner.choose()
+            if self.auto:  # timings differ between tensor-parallel ranks: all follow rank 0's choice
+                names = ["", *self.drafters]
+                mine = (names.index(h.level1), h.level2, h.gamma1, h.gamma2)
+                if (agreed := agree(*mine)) != mine:
+                    h = Hierarchy(names[agreed[0]], bool(agreed[1]), agreed[2], agreed[3])
+            if self.auto and h != shown:
                 shown = h
                 self.plans.append(h.name)
                 yield PlanChosen(round_, h.name, self.planner.reason, h.level1, h.level2, h.gamma1, h.gamma2)
@@ -107,10 +112,12 @@ class TriForce:
                 feature = h3[0]
             level3_s = clock(self.graphs) - t0
             self.counts.count(2 if h.level2 else 1, n, accepted)  # (level 1's drafts checked by level 3 directly)
-            if self.planner and h.level2:
+            if h.level2:
                 self.planner.level2_checked(n, accepted)
-            elif self.planner and h.level1 and draft.asked:
-                self.planner.level1_checked(3, draft.asked, n, accepted)
+            elif h.level1 and draft.asked:
+                self.planner.level1_checked(h.level1, 3, draft.asked, n, accepted)
+            if self.auto:
+                self.shadow(h, seq, draft.tokens[:accepted] + [token])
             yield Verdict(3, round_, draft.tokens, accepted, token, accepted == n)
             seq += draft.tokens[:accepted] + [token]
             yield self.out.add(draft.tokens[:accepted] + [token], draft.provenance[:accepted] + ["level3"], round_)
@@ -119,33 +126,44 @@ class TriForce:
                 event = retrieval.select(target.queries, accepted, round_ + 1, committed + accepted)
                 selection_s = event.seconds
                 yield event
-            measured = (draft.asked, draft.level1_s * 1e3, draft.level2_forwards, draft.level2_s * 1e3,
-                        n + 1, level3_s * 1e3, (sync_s + selection_s) * 1e3)
-            if self.planner:
-                self.planner.observe(*measured)
-            else:
-                self.costs.observe(*measured)
+            self.planner.observe(h.level1, draft.asked, draft.level1_s * 1e3, draft.level2_forwards,
+                                 draft.level2_s * 1e3, n + 1, level3_s * 1e3, (sync_s + selection_s) * 1e3)
             yield StepTiming(round_, draft.level1_s * 1e3, (draft.level2_s + sync_s) * 1e3, level3_s * 1e3,
                              selection_s * 1e3, accepted + 1)
             round_ += 1
 
+    def shadow(self, h: Hierarchy, seq: list[int], emitted: list[int]) -> None:
+        """Ask each drafter that needs no model (prompt lookup: microseconds a token), and that did not draft this
+        round, what it would have drafted: as levels 1 → 3 would, from the round's first position, checked against
+        the tokens level 3 emitted, again after each mismatch. The planner learns its cost and acceptance without
+        running it. Sampled too, a proposal x matches the emitted token with probability p(x), the probability that
+        level 3 accepts x."""
+        for name, drafter in self.drafters.items():
+            if drafter.level is not None or name == h.level1:
+                continue
+            t0, checks, i = time.perf_counter(), [], 0
+            while i < len(emitted):
+                asked = len(emitted) - i
+                tokens = drafter.propose(seq, asked, len(seq), emitted[:i]).tokens
+                accepted = next((k for k, (a, b) in enumerate(zip(tokens, emitted[i:])) if a != b), len(tokens))
+                checks.append((asked, len(tokens), accepted))
+                i += accepted + 1
+            self.planner.shadowed(name, checks, (time.perf_counter() - t0) * 1e3)
+
     def footprint(self) -> Footprint:
-        """Acceptance at both levels, the drafter and its forwards, the retrieval and level-1 caches' bytes, the
-        planner's choices."""
-        level1 = self.drafter.level
-        return Footprint(self.counts, self.drafter.name, self.drafter.steps, self.retrieval.cache.nbytes,
+        """Acceptance at both levels, the default drafter and its forwards, the retrieval and level-1 caches' bytes,
+        the planner's choices."""
+        name = next(iter(self.drafters), "none")
+        drafter = self.drafters.get(name)
+        level1 = drafter.level if drafter else None
+        return Footprint(self.counts, name, drafter.steps if drafter else 0, self.retrieval.cache.nbytes,
                          level1.cache.nbytes if level1 else 0, level1.model.step_weight_bytes() if level1 else 0,
                          plans=self.plans)
 
     def measured(self) -> Estimates:
         """What the steps of each level took in this run and the acceptances it saw (a fixed hierarchy's too: the
         warm-up's offloaded runs, or a Compare click of method triforce, give method auto its first priors)."""
-        if self.planner:
-            return self.planner.estimates
-        e, c = Estimates(self.costs), self.counts
-        e.a1.verified, e.a1.accepted = e.a1.verified + c.level1_verified, e.a1.accepted + c.level1_accepted
-        e.a2.verified, e.a2.accepted = e.a2.verified + c.level2_verified, e.a2.accepted + c.level2_accepted
-        return e
+        return self.planner.estimates
 
     def draft(self, h: Hierarchy, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
               ) -> Generator[Event, None, Draft]:
@@ -154,11 +172,11 @@ class TriForce:
         verification stays exact)."""
         want = min(h.gamma2, self.cfg.max_new_tokens - len(self.out.ids))
         if h.level2:
-            return (yield from self.draft_level2(seq, committed, round_, feature, h.gamma1 if h.level1 else 0, want))
+            return (yield from self.draft_level2(seq, committed, round_, feature, h.level1, h.gamma1, want))
         draft = Draft()
         if h.level1 and want:
             t0 = clock(self.graphs)
-            proposal = self.drafter.propose(seq, want, committed, (), feature)
+            proposal = self.drafters[h.level1].propose(seq, want, committed, (), feature)
             draft.tokens, draft.asked = proposal.tokens, want
             if proposal.tokens:  # a copied token's q is one-hot (part of level 1's cost)
                 q = proposal.q if proposal.q is not None else \
@@ -171,17 +189,19 @@ class TriForce:
                 yield DraftProposal(round_, proposal.tokens, proposal.copied)
         return draft
 
-    def draft_level2(self, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None, gamma1: int,
-                     want: int) -> Generator[Event, None, Draft]:
-        """Level 2 produces `want` tokens, verifying up to `gamma1` level-1 proposals per forward; yields events,
-        returns the draft. `feature`: the hidden state that produced seq's last token, for a drafter that uses it."""
+    def draft_level2(self, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None, level1: str,
+                     gamma1: int, want: int) -> Generator[Event, None, Draft]:
+        """Level 2 produces `want` tokens, verifying up to `gamma1` proposals of drafter `level1` ("": none) per
+        forward; yields events, returns the draft. `feature`: the hidden state that produced seq's last token, for a
+        drafter that uses it."""
         cfg, level2 = self.cfg, self.level2
+        gamma1 = gamma1 if level1 else 0
         draft = Draft()
         while len(draft.tokens) < want:
             t0 = clock(self.graphs)
             asked = min(gamma1, want - len(draft.tokens))
-            proposals, q1, copied = self.drafter.propose(seq, asked, committed, draft.tokens, feature) if asked \
-                else ([], None, [])
+            proposals, q1, copied = self.drafters[level1].propose(seq, asked, committed, draft.tokens, feature) \
+                if asked else ([], None, [])
             t1 = clock(self.graphs)
             h2 = level2.states(seq, len(proposals) + 1, committed, draft.tokens + proposals)
             p2 = distributions(self.repetition(level2.head(h2), seq, draft.tokens + proposals), cfg)
@@ -192,8 +212,8 @@ class TriForce:
             self.counts.count(1, len(proposals), accepted)
             draft.asked += asked
             draft.level2_forwards += 1
-            if self.planner and asked:
-                self.planner.level1_checked(2, asked, len(proposals), accepted)
+            if asked:
+                self.planner.level1_checked(level1, 2, asked, len(proposals), accepted)
             if proposals:
                 yield DraftProposal(round_, proposals, copied)
             yield Verdict(2, round_, proposals, accepted, token, accepted == len(proposals))

@@ -335,16 +335,16 @@ def callbacks_css() -> str:
 
 def test_a_plan_the_planner_chooses_is_said_in_one_line_and_marked_on_the_timeline() -> None:
     state = RunState(method="auto")
-    apply_event(state, PlanChosen(0, "levels 1 → 2 → 3 (γ1 2, γ2 6)", "measuring what each level costs", True, True,
-                                  2, 6))
+    apply_event(state, PlanChosen(0, "levels 1 → 2 → 3 (draft model, γ1 2, γ2 6)",
+                                  "measuring what each level costs", "model", True, 2, 6))
     apply_event(state, verdict_event(2, 0, "ab", 2, bonus=True))
     apply_event(state, verdict_event(3, 0, "abc", 3, bonus=True))
     apply_event(state, tokens_event(list("abcd"), ["draft", "draft", "level2", "level3"], 0))
-    apply_event(state, PlanChosen(1, "levels 1 → 3 (γ 4)", "expected 1.30× autoregressive; a level-1 token 5%",
-                                  True, False, 0, 4))
+    apply_event(state, PlanChosen(1, "levels 1 → 3 (draft model, γ 4)",
+                                  "expected 1.30× autoregressive; a level-1 token 5%", "model", False, 0, 4))
     apply_event(state, verdict_event(3, 1, "efgh", 1))  # level 3 checks level 1's tokens directly
     apply_event(state, tokens_event(["e", "Z"], ["draft", "level3"], 1))
-    apply_event(state, PlanChosen(2, "autoregressive", "expected 1.12× autoregressive", False, False, 0, 0))
+    apply_event(state, PlanChosen(2, "autoregressive", "expected 1.12× autoregressive", "", False, 0, 0))
     for round_ in (2, 3, 4):
         apply_event(state, verdict_event(3, round_, "", 0, bonus=True))
         apply_event(state, tokens_event(["q"], ["level3"], round_))
@@ -358,7 +358,7 @@ def test_a_plan_the_planner_chooses_is_said_in_one_line_and_marked_on_the_timeli
     status = status_markdown(state)
     line = next(line for line in status.split("\n\n") if "Method auto" in line)
     assert "**autoregressive** from round 2: expected 1.12× autoregressive" in line
-    assert "before: levels 1 → 2 → 3 (γ1 2, γ2 6) → levels 1 → 3 (γ 4)" in line
+    assert "before: levels 1 → 2 → 3 (draft model, γ1 2, γ2 6) → levels 1 → 3 (draft model, γ 4)" in line
     assert [p["plan"] for p in live_stats(state)["plans"]] == [p.plan for p in state.plans]
 
 
@@ -434,8 +434,8 @@ def heavy_run(tokens: int, rounds: int, answer_per_round: int = 4) -> RunState:
     chunks, state = tokens // 8, RunState(method="auto")
     apply_event(state, PromptReady(tokens, tokens - 40, 0, 131072, 256, 8, ["a chunk " for _ in range(chunks)]))
     apply_event(state, PrefillProgress(tokens - 1, tokens - 1, 9.0, 2**34))
-    apply_event(state, PlanChosen(0, "levels 1 → 2 → 3 (γ1 2, γ2 6)", "measuring what each level costs", True,
-                                  True, 2, 6))
+    apply_event(state, PlanChosen(0, "levels 1 → 2 → 3 (draft model, γ1 2, γ2 6)",
+                                  "measuring what each level costs", "model", True, 2, 6))
     base = [[rng.choice(chunks, 512, replace=False) for _ in range(3)] for _ in range(30)]
     for round_ in range(rounds):
         ids = [[np.sort((h + round_) % chunks).tolist() for h in heads] for heads in base]
@@ -589,7 +589,7 @@ def test_comparison_summary_checks_token_identity_and_says_where_outputs_differ(
     assert callbacks.comparison_summary(ar, tf, greedy=False)[1]["identical"] is None
     tf.final_stats = run_stats(method="auto", tokens_per_s=5.0, device="cuda:0", dtype="bfloat16",
                                prefill_reused=True, prefill_s=0.01)
-    tf.plans.append(PlanChosen(0, "autoregressive", "expected 1.00× autoregressive", False, False, 0, 0))
+    tf.plans.append(PlanChosen(0, "autoregressive", "expected 1.00× autoregressive", "", False, 0, 0))
     text, summary = callbacks.comparison_summary(ar, tf, greedy=False)
     assert summary["device"] == "cuda:0 · bfloat16" and "Ran on **cuda:0 · bfloat16**" in text and "reused" in text
     assert "**Method auto** chose **autoregressive** from round 0: expected 1.00×" in text

@@ -103,7 +103,7 @@ def test_progress_on_a_terminal_is_a_bar_that_vanishes_and_lines_above_it():
     progress.run("auto").event(PromptReady(900, 2000, 1100, 1024, 100, 8, []))
     for done in (256, 512, 899):
         progress.event(PrefillProgress(done, 899, done / 100, 0))
-    progress.event(PlanChosen(0, "autoregressive", "measuring an autoregressive step", False, False, 0, 0))
+    progress.event(PlanChosen(0, "autoregressive", "measuring an autoregressive step", "", False, 0, 0))
     for _ in range(3):
         progress.event(Tokens([1, 2], ["a", "b"], ["target"] * 2, 0))
     stats = Stats(method="auto", new_tokens=6, prompt_tokens=900, dropped_tokens=1100, prefill_s=9.0,

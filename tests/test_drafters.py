@@ -1,9 +1,13 @@
 """Prompt lookup: the longest recent match of the text's last tokens, its continuation, and the same answer whether
-the newest tokens come inside the sequence or beside it; the drafters and policies the settings offer."""
+the newest tokens come inside the sequence or beside it; the drafters and policies the settings offer, and the
+drafters a run holds."""
 
-from core.config import DRAFTER_CHOICES, LEVEL2_CACHE_CHOICES, POLICY_CHOICES
+import torch
+
+from core.config import DRAFTER_CHOICES, LEVEL2_CACHE_CHOICES, POLICY_CHOICES, GenerationConfig
 from core.drafters import DRAFTERS, NgramDrafter
 from core.retrieval import LEVEL2_CACHES, SELECTION_POLICIES
+from tests.lossless import CFG, tiny_engine
 
 
 def test_longest_match_and_its_continuation():
@@ -35,6 +39,24 @@ def test_proposals_are_the_same_with_the_newest_tokens_apart():
 
 def test_the_settings_offer_exactly_the_registered_drafters_and_policies():
     """core.config spells the registries' names (it must import nothing above it): the two lists must agree."""
-    assert DRAFTER_CHOICES == ("auto", *DRAFTERS)
+    assert DRAFTER_CHOICES == ("auto", *DRAFTERS, "none")
     assert POLICY_CHOICES == tuple(SELECTION_POLICIES)
     assert LEVEL2_CACHE_CHOICES == tuple(LEVEL2_CACHES)
+
+
+def test_method_auto_holds_prompt_lookup_beside_the_draft_model_and_shares_its_n_gram_index():
+    """Auto weighs both drafters; the model's own lookup (lookup_min) indexes the same n-grams, so prompt lookup
+    reuses that index (a 30K-token prompt takes ~0.2 s to index) unless it matches other lengths. A fixed method
+    holds only the drafter its settings name."""
+    engine, prompt = tiny_engine()
+
+    def drafters(**settings) -> dict:
+        cfg = GenerationConfig(**{**CFG, **settings}).validate()
+        return engine.drafters(engine.memory.plan(len(prompt), cfg), prompt, torch.Generator().manual_seed(0))
+
+    both = drafters(method="auto", drafter="auto")
+    assert list(both) == ["model", "ngram"] and both["ngram"] is both["model"].lookup
+    apart = drafters(method="auto", drafter="auto", ngram_max=2)
+    assert list(apart) == ["model", "ngram"] and apart["ngram"].max_n == 2
+    assert list(drafters(method="triforce", drafter="auto")) == ["model"]
+    assert list(drafters(method="auto", drafter="ngram")) == ["ngram"] and not drafters(drafter="none")

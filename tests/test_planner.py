@@ -3,7 +3,6 @@
 gain), and exactness while it switches hierarchies round by round (greedy token-identical to autoregressive, the
 sampled distribution the target's)."""
 
-import itertools
 import time
 
 import pytest
@@ -13,17 +12,31 @@ import core.planner
 import core.triforce
 from core.config import GenerationConfig
 from core.cuda_graphs import Graphs
+from core.drafters import NgramDrafter
 from core.events import Finished, PlanChosen
 from core.model import Transformer
 from core.planner import (AUTOREGRESSIVE, MAX_SWITCHES, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, WEIGH_MOST_MS,
-                          CostBook, Costs, Estimate, Estimates, Hierarchy, Planner, best, candidates, expected_tokens,
-                          prior, rate)
+                          CostBook, Costs, Drafting, Estimate, Estimates, Hierarchy, Planner, best, candidates,
+                          expected_tokens, prior, rate)
 from tests.lossless import CFG, GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
 
 
 def estimates(level1: float, level2: float, level3: dict[int, float], a1: float, a2: float) -> Estimates:
-    return Estimates(Costs(level1, level2, level3), prior(a1), prior(a2))
+    """Costs in ms and acceptances, level 1 being the draft model."""
+    return Estimates(Costs(level2, level3), prior(a2), {"model": Drafting(level1, prior(a1))})
+
+
+def learnt(costs: Costs, drafter: str = "", asked: int = 0, ms: float = 0.0) -> Estimates:
+    """A run's estimates: `costs`, and `drafter`'s time for `asked` tokens."""
+    e = Estimates(costs)
+    if drafter:
+        e.level1[drafter] = Drafting()
+        e.level1[drafter].timed(asked, ms)
+    return e
+
+
+DRAFT = ["model"]
 
 
 def test_expected_tokens_of_a_verification_follow_the_geometric_series():
@@ -57,29 +70,29 @@ def test_a_level_3_cost_outside_the_measured_sizes_never_falls_below_the_nearest
 def test_a_level_one_token_costs_the_mix_of_copied_and_drafted_tokens_and_one_stall_does_not_steer_it():
     """A drafter that copies most tokens (next to free) and drafts some with its model (a forward each) costs their
     mix per token, not the commoner kind's cost; a single stalled round still leaves the cost where it was."""
-    c = Costs()
+    d = Drafting()
     for i in range(9):  # every third round the draft model drafts its 6 tokens, the others copy them
-        c.observe(6, 7.2 if i % 3 == 2 else 0.3, 0, 0.0, 7, 20.0, 0.0)
-    assert c.level1 == pytest.approx((6 * 0.3 + 2 * 7.2) / (8 * 6))  # the costliest round left out
-    steady = Costs()
+        d.timed(6, 7.2 if i % 3 == 2 else 0.3)
+    assert d.ms == pytest.approx((6 * 0.3 + 2 * 7.2) / (8 * 6))  # the costliest round left out
+    steady = Drafting()
     for ms in (1.0, 1.0, 50.0, 1.0):
-        steady.observe(2, 2 * ms, 0, 0.0, 3, 20.0, 0.0)
-    assert steady.level1 == 1.0
+        steady.timed(2, 2 * ms)
+    assert steady.ms == 1.0
 
 
 def test_one_stalled_round_does_not_steer_a_cost_but_a_lasting_change_does():
     """A round held up once (a GC pause, another thread holding the GIL) leaves the cost where it was; a cost that
     really changed is taken up within a few rounds."""
     c = Costs()
-    c.observe(1, 1.0, 1, 10.0, 1, 20.0, 0.0)
-    c.observe(1, 1.0, 1, 90.0, 1, 180.0, 0.0)  # the second sample stalled: of two, the lower counts
+    c.observe(1, 10.0, 1, 20.0, 0.0)
+    c.observe(1, 90.0, 1, 180.0, 0.0)  # the second sample stalled: of two, the lower counts
     assert (c.level2, c.level3[1]) == (10.0, 20.0)
     for _ in range(3):
-        c.observe(1, 1.0, 1, 10.0, 1, 20.0, 0.0)
-    c.observe(1, 1.0, 1, 100.0, 1, 200.0, 0.0)
-    assert (c.level1, c.level2, c.level3[1]) == (1.0, 10.0, 20.0)
+        c.observe(1, 10.0, 1, 20.0, 0.0)
+    c.observe(1, 100.0, 1, 200.0, 0.0)
+    assert (c.level2, c.level3[1]) == (10.0, 20.0)
     for _ in range(5):
-        c.observe(1, 1.0, 1, 30.0, 1, 20.0, 0.0)
+        c.observe(1, 30.0, 1, 20.0, 0.0)
     assert c.level2 == 30.0
 
 
@@ -87,45 +100,48 @@ def test_the_cost_book_keeps_greedy_and_sampled_runs_apart_and_merges_level_3_si
     """A sampled row pays for its distribution, a greedy one does not: their costs are kept apart (greedy figures
     stand in for sampled ones only until those are measured). An autoregressive run's one-row steps join the sizes
     an earlier auto run measured."""
-    book, auto = CostBook(), Estimates()
-    auto.costs.observe(2, 2.0, 1, 3.0, 7, 9.0, 0.5)
-    book.learn(False, 1000, True, 512, "model", auto)
-    assert book.estimates(False, 1000, True, 512, "model").costs.level2 == 3.0
-    sampled = book.estimates(False, 1000, False, 512, "model").costs
+    book, auto = CostBook(), learnt(Costs(), "model", 2, 2.0)
+    auto.costs.observe(1, 3.0, 7, 9.0, 0.5)
+    book.learn(False, 1000, True, 512, auto)
+    assert book.estimates(False, 1000, True, 512, DRAFT).costs.level2 == 3.0
+    sampled = book.estimates(False, 1000, False, 512, DRAFT).costs
     assert (sampled.level2, sampled.level3) == (3.0, {7: 9.0}) and sampled.borrowed  # stand-ins, until measured
-    sampled.observe(0, 0.0, 0, 0.0, 7, 18.0, 0.0)
-    book.learn(False, 1000, False, 512, "model", Estimates(sampled))
-    assert book.estimates(False, 1000, True, 512, "model").costs.level3[7] == 9.0  # greedy's own figures stay
+    sampled.observe(0, 0.0, 7, 18.0, 0.0)
+    book.learn(False, 1000, False, 512, Estimates(sampled))
+    assert book.estimates(False, 1000, True, 512, DRAFT).costs.level3[7] == 9.0  # greedy's own figures stay
     ar = Estimates()
-    ar.costs.observe(0, 0.0, 0, 0.0, 1, 4.0, 0.0)
-    book.learn(False, 1000, True, 512, "model", ar)
-    known = book.estimates(False, 1000, True, 512, "model").costs
-    assert known.level3 == {7: 9.0, 1: 4.0} and (known.level1, known.level2) == (1.0, 3.0)
-    known.observe(0, 0.0, 0, 0.0, 1, 40.0, 0.0)  # a next run's samples join the book's: one stall does not count
-    assert known.level3[1] == 4.0 and book.estimates(False, 1000, True, 512, "model").costs.level3[1] == 4.0
+    ar.costs.observe(0, 0.0, 1, 4.0, 0.0)
+    book.learn(False, 1000, True, 512, ar)
+    e = book.estimates(False, 1000, True, 512, DRAFT)
+    known = e.costs
+    assert known.level3 == {7: 9.0, 1: 4.0} and (e.level1["model"].ms, known.level2) == (1.0, 3.0)
+    known.observe(0, 0.0, 1, 40.0, 0.0)  # a next run's samples join the book's: one stall does not count
+    assert known.level3[1] == 4.0 and book.estimates(False, 1000, True, 512, DRAFT).costs.level3[1] == 4.0
 
 
 def test_a_first_run_at_a_new_prompt_length_starts_from_the_nearest_one_measured():
     """No measuring rounds on a new document's first run: the nearest length's costs stand in, the level-3 sizes
     rescaled by the first full step measured here, the other levels replaced by their first measurement."""
-    book, short = CostBook(), Estimates()
-    short.costs.observe(1, 1.0, 1, 2.0, 7, 6.0, 0.0)
-    short.costs.observe(0, 0.0, 0, 0.0, 1, 4.0, 0.0)
-    book.learn(False, 1000, True, 512, "model", short)
-    far = book.estimates(False, 8000, True, 512, "model").costs
-    assert far.level3 == {7: 6.0, 1: 4.0} and (far.level1, far.level2) == (1.0, 2.0)
-    p = Planner(Estimates(far), level1=True, gamma1_max=2, gamma2_max=15)
+    book, short = CostBook(), learnt(Costs(), "model", 1, 1.0)
+    short.costs.observe(1, 2.0, 7, 6.0, 0.0)
+    short.costs.observe(0, 0.0, 1, 4.0, 0.0)
+    book.learn(False, 1000, True, 512, short)
+    e = book.estimates(False, 8000, True, 512, DRAFT)
+    far, drafting = e.costs, e.level1["model"]
+    assert far.level3 == {7: 6.0, 1: 4.0} and (drafting.ms, far.level2) == (1.0, 2.0)
+    p = Planner(e, DRAFT, gamma1_max=2, gamma2_max=15)
     p.choose()
     assert not p.reason.startswith("measuring")
-    far.observe(0, 0.0, 0, 0.0, 1, 8.0, 0.0)  # a full step here costs twice as much: so does a 7-row one
+    far.observe(0, 0.0, 1, 8.0, 0.0)  # a full step here costs twice as much: so does a 7-row one
     assert far.level3 == {7: 12.0, 1: 8.0}
-    far.observe(1, 3.0, 1, 5.0, 7, 13.0, 0.0)
-    assert (far.level1, far.level2, far.level3[7]) == (3.0, 5.0, 13.0)
-    assert not book.estimates(True, 8000, True, 512, "model").costs.level3  # offloaded: nothing on-chip stands in
+    far.observe(1, 5.0, 7, 13.0, 0.0)
+    drafting.timed(1, 3.0)
+    assert (drafting.ms, far.level2, far.level3[7]) == (3.0, 5.0, 13.0)
+    assert not book.estimates(True, 8000, True, 512, DRAFT).costs.level3  # offloaded: nothing on-chip stands in
     ar = Estimates()  # an autoregressive run on the new document (a Compare click runs one first)
-    ar.costs.observe(0, 0.0, 0, 0.0, 1, 12.0, 0.0)
-    book.learn(False, 8000, True, 512, "model", ar)
-    after_ar = book.estimates(False, 8000, True, 512, "model").costs
+    ar.costs.observe(0, 0.0, 1, 12.0, 0.0)
+    book.learn(False, 8000, True, 512, ar)
+    after_ar = book.estimates(False, 8000, True, 512, DRAFT).costs
     assert after_ar.level3 == {1: 12.0, 7: 18.0} and not after_ar.borrowed  # 7 rows scaled as 1 row is
 
 
@@ -133,42 +149,43 @@ def test_an_offloaded_curve_borrowed_from_another_length_is_scaled_by_the_one_ro
     """Offloaded runs never measure a one-row step and a Compare click's autoregressive run measures only that: the
     other length's curve is scaled to the one-row step measured here, not mixed with it unscaled."""
     book, warm = CostBook(), Estimates()
-    warm.costs.observe(0, 0.0, 1, 1.0, 7, 19.0, 0.0)
-    warm.costs.observe(0, 0.0, 1, 1.0, 13, 20.0, 0.0)
-    book.learn(True, 2000, True, 512, "model", warm)
+    warm.costs.observe(1, 1.0, 7, 19.0, 0.0)
+    warm.costs.observe(1, 1.0, 13, 20.0, 0.0)
+    book.learn(True, 2000, True, 512, warm)
     ar = Estimates()
-    ar.costs.observe(0, 0.0, 0, 0.0, 1, 300.0, 0.0)  # the autoregressive run at 120K
-    book.learn(True, 120_000, True, 512, "model", ar)
-    far = book.estimates(True, 120_000, True, 512, "model").costs
+    ar.costs.observe(0, 0.0, 1, 300.0, 0.0)  # the autoregressive run at 120K
+    book.learn(True, 120_000, True, 512, ar)
+    far = book.estimates(True, 120_000, True, 512, DRAFT).costs
     assert far.level3[1] == 300.0 and far.level3[13] == pytest.approx(300.0 * 20.0 / 19.0) and not far.borrowed
 
 
 def test_a_run_starts_from_the_acceptance_the_last_run_of_its_kind_saw():
     """Priors for a first run; a later run of the same kind starts from the rates the last one observed (and an
     autoregressive run in between, which observed none, changes nothing)."""
-    book, priors = CostBook(), Estimates()
-    first = book.estimates(False, 1000, False, 512, "model")
-    assert (first.a1.rate, first.a2.rate) == (priors.a1.rate, priors.a2.rate) and priors.a2.rate < 0.95
+    book, priors, default = CostBook(), Estimates(), Drafting()
+    first = book.estimates(False, 1000, False, 512, DRAFT)
+    assert (first.level1["model"].a1.rate, first.a2.rate) == (default.a1.rate, priors.a2.rate) < (1, 0.95)
     first.a2.add(proposed=100, accepted=100)
-    book.learn(False, 1000, False, 512, "model", first)
-    book.learn(False, 1000, False, 512, "model", Estimates())
-    second = book.estimates(False, 1000, False, 512, "model")
+    book.learn(False, 1000, False, 512, first)
+    book.learn(False, 1000, False, 512, Estimates())
+    second = book.estimates(False, 1000, False, 512, DRAFT)
     assert second.a2.rate == pytest.approx(first.a2.rate) and second.a2.rate > 0.95
-    assert second.a2.verified == priors.a2.verified and second.a1.rate == priors.a1.rate  # a prior's weight; a1 unseen
-    assert book.estimates(False, 1000, False, 1024, "model").a2.rate == priors.a2.rate  # another budget: its own kind
+    assert second.a2.verified == priors.a2.verified  # a prior's weight
+    assert second.level1["model"].a1.rate == default.a1.rate  # a1 unseen
+    assert book.estimates(False, 1000, False, 1024, DRAFT).a2.rate == priors.a2.rate  # another budget: its own kind
 
 
 def test_a_sampled_run_that_observed_nothing_leaves_the_next_one_the_acceptance_a_greedy_run_saw():
     """A sampled run that decoded autoregressively (or a fixed run's warm-up) observes no acceptance: the next
     sampled run of that kind still starts from what the greedy runs saw, not from the defaults."""
-    book, seen = CostBook(), Estimates()
+    book, seen = CostBook(), Drafting()
     for _ in range(20):
         seen.a1.add(proposed=2, accepted=0)
-    book.learn(True, 120_000, True, 4096, "model", seen)
-    book.learn(True, 120_000, False, 4096, "model", Estimates())  # sampled, all autoregressive
-    book.learn(True, 600, False, 4096, "model", Estimates())  # a short sampled warm-up run
+    book.learn(True, 120_000, True, 4096, Estimates(level1={"model": seen}))
+    book.learn(True, 120_000, False, 4096, Estimates(level1={"model": Drafting()}))  # sampled, all autoregressive
+    book.learn(True, 600, False, 4096, Estimates(level1={"model": Drafting()}))  # a short sampled warm-up run
     assert seen.a1.rate < 0.2
-    assert book.estimates(True, 120_000, False, 4096, "model").a1.rate == pytest.approx(seen.a1.rate)
+    assert book.estimates(True, 120_000, False, 4096, DRAFT).level1["model"].a1.rate == pytest.approx(seen.a1.rate)
 
 
 def test_a_fixed_triforce_run_gives_method_auto_the_acceptances_it_saw():
@@ -178,53 +195,100 @@ def test_a_fixed_triforce_run_gives_method_auto_the_acceptances_it_saw():
     cfg = GenerationConfig(**{**CFG, "max_new_tokens": 40}, seed=0).validate()
     with torch.no_grad():
         stats = [e for e in engine.generate_ids(prompt, cfg) if isinstance(e, Finished)][0].stats
-    prior = engine.costs.estimates(False, len(prompt), False, cfg.budget, "model")
+    prior = engine.costs.estimates(False, len(prompt), False, cfg.budget, DRAFT)
     defaults = Estimates()
-    for seen, learnt, default in ((stats.level1_acceptance, prior.a1.rate, defaults.a1.rate),
+    for seen, learnt, default in ((stats.level1_acceptance, prior.level1["model"].a1.rate, Drafting().a1.rate),
                                   (stats.level2_acceptance, prior.a2.rate, defaults.a2.rate)):
         assert abs(seen - default) > 0.1 and abs(learnt - seen) < abs(default - seen) / 2, (seen, learnt, default)
 
 
+def test_prompt_lookup_drafts_where_it_gives_more_tokens_per_millisecond_than_the_draft_model():
+    """The real Qwen pair offloaded at 30K: a pass over the cache 17.5 ms, a level-2 step 2.6 ms, a draft-model token
+    1.2 ms accepted at 0.6; prompt lookup costs microseconds a token, proposes for half the tokens asked and is
+    accepted at 0.3. Lookup's tokens come nearly free, so they win; where it seldom finds a match, the model does."""
+    e = estimates(level1=1.2, level2=2.6, level3={1: 17.5, 16: 18.0}, a1=0.6, a2=0.95)
+    e.level1["ngram"] = Drafting(0.003, prior(0.3), offered=prior(0.5))
+    both = ["model", "ngram"]
+    h, r = best(candidates(both, 2, 15), e)
+    assert h.level1 == "ngram" and h.level2 and r > best(candidates(DRAFT, 2, 15), e)[1]
+    e.level1["ngram"].offered = prior(0.02)
+    assert best(candidates(both, 2, 15), e)[0].level1 == "model"
+
+
+class Autoregressive(Planner):
+    """Method auto decoding autoregressively throughout (what it does on a CPU at 8K)."""
+
+    def choose(self) -> Hierarchy:
+        self.reason, self.current = "stays autoregressive", AUTOREGRESSIVE
+        return AUTOREGRESSIVE
+
+
+def test_auto_learns_prompt_lookup_s_figures_from_rounds_it_did_not_draft(monkeypatch):
+    """Each round, prompt lookup is asked what it would have drafted, checked against the tokens emitted: a run that
+    never drafted with it ends with its acceptance and cost, the same as replaying the answer through a fresh
+    lookup token by token gives (one-token rounds: one proposal of one token each)."""
+    engine, prompt = tiny_engine()
+    monkeypatch.setattr(core.triforce, "Planner", Autoregressive)
+    cfg = GenerationConfig(method="auto", drafter="auto", greedy=True, max_new_tokens=40, budget=8, chunk_size=4,
+                           sink_tokens=4, window_tokens=12).validate()
+    with torch.no_grad():
+        events = list(engine.generate_ids(prompt, cfg))
+    ids = events[-1].token_ids
+    assert {e.plan for e in events if isinstance(e, PlanChosen)} == {"autoregressive"}
+    replay, proposed, matched = NgramDrafter(cfg.ngram_max, prompt), 0, 0
+    for i, token in enumerate(ids):
+        tokens = replay.propose(prompt + ids[:i], 1, len(prompt) + i).tokens
+        proposed += len(tokens)
+        matched += tokens == [token]
+    assert 0 < matched < proposed <= len(ids)
+    ngram = engine.costs.estimates(False, len(prompt), True, cfg.budget, ["model", "ngram"]).level1["ngram"]
+    default = Drafting()
+    assert ngram.ms is not None and ngram.a13 is not None
+    assert ngram.offered.rate == pytest.approx(
+        (default.offered.accepted + proposed) / (default.offered.verified + len(ids)))
+    assert ngram.a13.rate == pytest.approx((default.a1.accepted + matched) / (default.a1.verified + proposed))
+
+
 def test_without_a_drafter_and_with_the_whole_prompt_in_budget_nothing_is_measured_and_no_level_drafts():
-    p = Planner(Estimates(), level1=False, gamma1_max=2, gamma2_max=15, level2=False)
+    p = Planner(Estimates(), [], gamma1_max=2, gamma2_max=15, level2=False)
     assert p.choose() == AUTOREGRESSIVE and "covers the whole prompt" in p.reason
-    p = Planner(Estimates(), level1=True, gamma1_max=2, gamma2_max=15, level2=False)
+    p = Planner(Estimates(), DRAFT, gamma1_max=2, gamma2_max=15, level2=False)
     first = p.choose()
-    assert first == Hierarchy(True, False, 0, 6) and p.reason.startswith("measuring")
+    assert first == Hierarchy("model", False, 0, 6) and p.reason.startswith("measuring")
     assert not any(h.level2 for h in p.options)
 
 
 def test_autoregressive_wins_where_no_speculative_candidate_gains_its_cost():
     """A small model on a CPU: a retrieval step costs 95 % of a full one, the draft 40 %, acceptance modest."""
     e = estimates(level1=4.0, level2=9.5, level3={1: 10.0, 7: 18.0}, a1=0.4, a2=0.7)
-    h, r = best(candidates(True, 2, 15), e)
+    h, r = best(candidates(DRAFT, 2, 15), e)
     assert h == AUTOREGRESSIVE and r == pytest.approx(1 / 10.0)
 
 
 def test_triforce_wins_where_the_full_step_dominates():
     """A long cache offloaded: the full step 300 ms, the retrieval one 8 ms, the draft 1 ms."""
     e = estimates(level1=1.0, level2=8.0, level3={1: 300.0, 13: 305.0}, a1=0.6, a2=0.9)
-    h, r = best(candidates(True, 2, 15), e)
+    h, r = best(candidates(DRAFT, 2, 15), e)
     assert h.level1 and h.level2 and h.gamma2 >= 10 and r > 5 * rate(AUTOREGRESSIVE, e)
 
 
 def test_two_model_speculation_wins_where_the_retrieval_level_saves_nothing():
     e = estimates(level1=1.0, level2=9.8, level3={1: 10.0, 7: 10.5}, a1=0.8, a2=0.95)
-    h, _ = best(candidates(True, 2, 15), e)
+    h, _ = best(candidates(DRAFT, 2, 15), e)
     assert h.level1 and not h.level2
 
 
 def test_the_planner_measures_first_then_switches_only_for_a_clear_gain():
-    p = Planner(Estimates(), level1=True, gamma1_max=2, gamma2_max=15)
+    p = Planner(Estimates(), DRAFT, gamma1_max=2, gamma2_max=15)
     first = p.choose()
     assert first.level1 and first.level2 and p.reason.startswith("measuring")
-    p.observe(2, 2.0, 2, 19.0, first.gamma2 + 1, 12.0, 0.5)  # a level-1 token 1 ms, a level-2 step 9.5 ms
+    p.observe("model", 2, 2.0, 2, 19.0, first.gamma2 + 1, 12.0, 0.5)  # a level-1 token 1 ms, a level-2 step 9.5 ms
     assert p.choose() == AUTOREGRESSIVE  # the one-row step is measured next
-    p.observe(0, 0.0, 0, 0.0, 1, 10.0, 0.0)
+    p.observe("", 0, 0.0, 0, 0.0, 1, 10.0, 0.0)
     chosen = p.choose()
     assert chosen != first and "autoregressive" in p.reason
     for _ in range(MIN_ROUNDS - 1):  # not settled yet: kept, whatever the estimates say
-        p.observe(0, 0.0, 0, 0.0, 1, 10.0, 0.0)
+        p.observe("", 0, 0.0, 0, 0.0, 1, 10.0, 0.0)
         p.estimates.costs.level3[1] = 1000.0
         assert p.choose() == chosen
 
@@ -232,13 +296,13 @@ def test_the_planner_measures_first_then_switches_only_for_a_clear_gain():
 def test_a_fast_model_s_plan_is_weighed_again_only_after_enough_decoding_time():
     """Weighing every candidate costs a fraction of a millisecond of Python: with 1 ms rounds the planner waits for
     WEIGH_EVERY_MS of them, not MIN_ROUNDS, before it looks again."""
-    p = Planner(estimates(level1=0.9, level2=0.95, level3={1: 1.0, 7: 1.2}, a1=0.3, a2=0.5), level1=True,
+    p = Planner(estimates(level1=0.9, level2=0.95, level3={1: 1.0, 7: 1.2}, a1=0.3, a2=0.5), DRAFT,
                 gamma1_max=2, gamma2_max=31)
     assert p.choose() == AUTOREGRESSIVE
     p.estimates.costs.level2, p.estimates.a2 = 0.1, Estimate(100.0, 99.0)  # now level 2 → 3 would be far faster
     rounds = 0
     while p.choose() == AUTOREGRESSIVE:
-        p.observe(0, 0.0, 0, 0.0, 1, 1.0, 0.0)
+        p.observe("", 0, 0.0, 0, 0.0, 1, 1.0, 0.0)
         rounds += 1
     assert rounds == WEIGH_EVERY_MS > MIN_ROUNDS and p.current.level2 and p.current.gamma2 > 15
 
@@ -249,23 +313,23 @@ def test_a_plan_that_keeps_winning_is_weighed_at_doubling_intervals_and_a_switch
     WEIGH_EVERY_MS."""
     elapsed, weighed, weigh = 0.0, [], core.planner.best
     monkeypatch.setattr(core.planner, "best", lambda options, e: (weighed.append(elapsed), weigh(options, e))[1])
-    p = Planner(estimates(level1=0.9, level2=0.95, level3={1: 1.0, 7: 1.2}, a1=0.3, a2=0.5), level1=True,
+    p = Planner(estimates(level1=0.9, level2=0.95, level3={1: 1.0, 7: 1.2}, a1=0.3, a2=0.5), DRAFT,
                 gamma1_max=2, gamma2_max=31)
     while elapsed < 700:
         assert p.choose() == AUTOREGRESSIVE
-        p.observe(0, 0.0, 0, 0.0, 1, 1.0, 0.0)
+        p.observe("", 0, 0.0, 0, 0.0, 1, 1.0, 0.0)
         elapsed += 1.0
     gaps = [b - a for a, b in zip(weighed, weighed[1:])]
     assert gaps[:5] == [WEIGH_EVERY_MS, 2 * WEIGH_EVERY_MS, 4 * WEIGH_EVERY_MS, 8 * WEIGH_EVERY_MS, WEIGH_MOST_MS]
     assert set(gaps[4:]) == {WEIGH_MOST_MS}
     p.estimates.costs.level2, p.estimates.a2 = 0.1, Estimate(100.0, 99.0)  # level 2 → 3 now far faster
     while p.choose() == AUTOREGRESSIVE:
-        p.observe(0, 0.0, 0, 0.0, 1, 1.0, 0.0)
+        p.observe("", 0, 0.0, 0, 0.0, 1, 1.0, 0.0)
         elapsed += 1.0
     switched = weighed[-1]
     assert switched - weighed[-2] == WEIGH_MOST_MS
     while len(weighed) < len(gaps) + 3:
-        p.observe(0, 0.0, 1, 0.1, 32, 1.5, 0.0)
+        p.observe("", 0, 0.0, 1, 0.1, 32, 1.5, 0.0)
         elapsed += 1.6
         p.choose()
     assert weighed[-1] - switched == pytest.approx(WEIGH_EVERY_MS, abs=1.6)
@@ -274,15 +338,15 @@ def test_a_plan_that_keeps_winning_is_weighed_at_doubling_intervals_and_a_switch
 def lookup_planner() -> Planner:
     """A planner with prompt lookup as level 1 (nearly free), no level 2, a 7-row step 10 % dearer than a one-row
     one."""
-    return Planner(estimates(level1=0.01, level2=None, level3={1: 1.0, 7: 1.1}, a1=0.5, a2=0.9), level1=True,
+    return Planner(estimates(level1=0.01, level2=None, level3={1: 1.0, 7: 1.1}, a1=0.5, a2=0.9), DRAFT,
                    gamma1_max=2, gamma2_max=6, level2=False)
 
 
 def rejected_round(p: Planner, h: Hierarchy) -> Hierarchy:
     """One round of `h` at its expected costs with every draft rejected; the next round's plan."""
     if h.gamma2:
-        p.level1_checked(3, h.gamma2, h.gamma2, 0)
-    p.observe(h.gamma2, 0.01 * h.gamma2, 0, 0.0, h.gamma2 + 1, p.estimates.costs.verify(h.gamma2 + 1), 0.0)
+        p.level1_checked(h.level1, 3, h.gamma2, h.gamma2, 0)
+    p.observe(h.level1, h.gamma2, 0.01 * h.gamma2, 0, 0.0, h.gamma2 + 1, p.estimates.costs.verify(h.gamma2 + 1), 0.0)
     return p.choose()
 
 
@@ -305,16 +369,16 @@ def test_a_drafting_plan_must_be_expected_clearly_faster_than_autoregressive_to_
     """Measured costs are noisy (a shared CPU: up to 15 % between two runs of one plan), so a plan expected 2 %
     faster than AR is not taken; one expected 16 % faster is, and it stays while it remains faster than AR."""
     costs = dict(level1=0.45, level2=None, level3={1: 1.0, 7: 1.1})  # 1 → 3 at γ 1: 1 + α tokens per 1.467 ms
-    marginal = Planner(estimates(**costs, a1=0.5, a2=0.9), level1=True, gamma1_max=2, gamma2_max=15, level2=False)
+    marginal = Planner(estimates(**costs, a1=0.5, a2=0.9), DRAFT, gamma1_max=2, gamma2_max=15, level2=False)
     assert marginal.choose() == AUTOREGRESSIVE  # 1.5 tokens: 1.02× AR
-    p = Planner(estimates(**costs, a1=0.7, a2=0.9), level1=True, gamma1_max=2, gamma2_max=15, level2=False)
+    p = Planner(estimates(**costs, a1=0.7, a2=0.9), DRAFT, gamma1_max=2, gamma2_max=15, level2=False)
     chosen = p.choose()
-    assert chosen == Hierarchy(True, False, 0, 1)  # 1.7 tokens: 1.16× AR
+    assert chosen == Hierarchy("model", False, 0, 1)  # 1.7 tokens: 1.16× AR
     for accepted in (1, 0) * 8:  # its acceptance falls to 0.54: 1.05× AR, within the margin of noise
-        p.level1_checked(3, 1, 1, accepted)
+        p.level1_checked("model", 3, 1, 1, accepted)
     assert 1.0 < rate(chosen, p.estimates) / rate(AUTOREGRESSIVE, p.estimates) < 1.1
     for _ in range(20):  # enough rounds and decoding time to be weighed again
-        p.observe(1, 0.45, 0, 0.0, 2, p.estimates.costs.verify(2), 0.0)
+        p.observe("model", 1, 0.45, 0, 0.0, 2, p.estimates.costs.verify(2), 0.0)
         assert p.choose() == chosen
 
 
@@ -334,12 +398,12 @@ def test_a_plan_of_slow_rounds_is_weighed_again_after_one_round_and_a_fast_one_a
     (SETTLE_MS of decoding is evidence enough); rounds of 10 ms wait for MIN_ROUNDS."""
     for round_ms, expected in ((300.0, 1), (10.0, MIN_ROUNDS)):
         p = Planner(estimates(level1=0.9 * round_ms, level2=0.95 * round_ms, level3={1: round_ms, 7: 1.2 * round_ms},
-                              a1=0.3, a2=0.5), level1=True, gamma1_max=2, gamma2_max=31)
+                              a1=0.3, a2=0.5), DRAFT, gamma1_max=2, gamma2_max=31)
         assert p.choose() == AUTOREGRESSIVE
         p.estimates.costs.level2, p.estimates.a2 = 0.1 * round_ms, Estimate(100.0, 99.0)  # now level 2 pays
         rounds = 0
         while p.choose() == AUTOREGRESSIVE:
-            p.observe(0, 0.0, 0, 0.0, 1, round_ms, 0.0)
+            p.observe("", 0, 0.0, 0, 0.0, 1, round_ms, 0.0)
             rounds += 1
         assert rounds == expected and p.current.level2, (round_ms, rounds)
     assert SETTLE_MS <= 300.0 and 10.0 * MIN_ROUNDS < SETTLE_MS
@@ -347,9 +411,9 @@ def test_a_plan_of_slow_rounds_is_weighed_again_after_one_round_and_a_fast_one_a
 
 def test_with_the_full_cache_streamed_the_planner_takes_the_verification_for_an_autoregressive_step():
     """Offloaded, an AR step would cost a whole pass over the cache for one token: it is not measured."""
-    p = Planner(Estimates(), level1=True, gamma1_max=2, gamma2_max=15, streamed=True)
+    p = Planner(Estimates(), DRAFT, gamma1_max=2, gamma2_max=15, streamed=True)
     first = p.choose()
-    p.observe(2, 2.0, 2, 200.0, first.gamma2 + 1, 1000.0, 0.5)  # a pass over the cache: 1 s, whatever it verifies
+    p.observe("model", 2, 2.0, 2, 200.0, first.gamma2 + 1, 1000.0, 0.5)  # a pass over the cache: 1 s, any size
     chosen = p.choose()
     assert chosen != AUTOREGRESSIVE and chosen.level2 and 1 not in p.estimates.costs.level3
     assert "a level-2 step costs 10% of a full one" in p.reason  # 100 ms beside the measured pass
@@ -380,14 +444,19 @@ def test_graph_captures_are_not_counted_in_the_costs_the_planner_weighs(monkeypa
 
 
 class Cycling(Planner):
-    """Every round a different hierarchy, whatever was measured: switching is exact or nothing is."""
+    """Every round a different hierarchy, and another drafter where the run holds several, whatever was measured:
+    switching is exact or nothing is. The turn is counted across runs: a run of two tokens may last one round."""
 
-    order = itertools.cycle([AUTOREGRESSIVE, Hierarchy(True, False, 0, 3), Hierarchy(False, True, 0, 2),
-                             Hierarchy(True, True, 2, 3), Hierarchy(True, False, 0, 1)])
+    turn = 0
 
     def choose(self) -> Hierarchy:
-        self.reason = "cycling"
-        self.current = next(self.order)
+        if self.fixed is not None:
+            return self.fixed
+        d = (self.drafters or [""])[self.turn % max(len(self.drafters), 1)]
+        plans = [AUTOREGRESSIVE, Hierarchy(d, False, 0, 3), Hierarchy("", True, 0, 2), Hierarchy(d, True, 2, 3),
+                 Hierarchy(d, False, 0, 1)]
+        self.reason, self.current = "cycling", plans[self.turn % len(plans)]
+        Cycling.turn += 1
         return self.current
 
 
@@ -411,7 +480,7 @@ def test_greedy_auto_equals_autoregressive_with_real_and_cycling_plans(monkeypat
         auto = list(engine.generate_ids(prompt, GenerationConfig(method="auto", **base)))
         assert auto[-1].token_ids == ar.token_ids and any(isinstance(e, PlanChosen) for e in auto)
         monkeypatch.setattr(core.triforce, "Planner", Cycling)
-        for drafter in ("model", "ngram", "none"):
+        for drafter in ("auto", "model", "ngram", "none"):
             events = list(engine.generate_ids(prompt, GenerationConfig(method="auto", drafter=drafter, **base)))
             plans = {e.plan for e in events if isinstance(e, PlanChosen)}
             assert events[-1].token_ids == ar.token_ids and len(plans) >= 3, drafter
@@ -422,7 +491,7 @@ def test_switching_hierarchies_every_round_is_lossless(monkeypatch, one_thread):
     monkeypatch.setattr(core.triforce, "Planner", Cycling)
     with torch.no_grad():
         expected = target_pairs(engine, prompt)
-        counts, levels = emitted_pairs(engine, prompt, GATED_DRAWS, method="auto")
+        counts, levels = emitted_pairs(engine, prompt, GATED_DRAWS, method="auto", drafter="auto")
     assert 0 < levels["l2_accepted"] < levels["l2_proposed"] and 0 < levels["l1_accepted"] < levels["l1_proposed"]
     p_ok = chi_square_p(counts, expected, GATED_DRAWS)
     assert p_ok > 1e-3, f"switching sampler rejected (p={p_ok:.2e})"
