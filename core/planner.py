@@ -120,14 +120,22 @@ class Costs:
     def observe(self, level2_forwards: int, level2_ms: float, level3_rows: int, level3_ms: float,
                 overhead_ms: float) -> None:
         """One round's measurements: level 2's time for its forwards, the level-3 forward over `level3_rows` new
-        tokens, and the round's overhead."""
+        tokens, and the round's overhead. A step size's first use may pay one-time work (a kernel module loaded, a
+        cuBLAS heuristic, an allocation: 0.2 s once on a 16-row step of the real pair offloaded, twelve times a pass),
+        so its first sample stands only where the other sizes do not predict it (by interpolation, or beyond the
+        largest); else the prediction holds until a second sample, of two the lower, replaces it. Taken as it came,
+        that one sample had priced the size, and every larger one extrapolated from it, out of the plans for good."""
         if level2_forwards:
             self.level2 = _sample(self.samples, "level2", level2_ms / level2_forwards)
             self.overhead = _sample(self.samples, "overhead", overhead_ms)
         if self.borrowed and (then := self.verify(level3_rows)):  # a longer prompt scales every size alike
             self.level3 = {rows: ms * level3_ms / then for rows, ms in self.level3.items()}
         self.borrowed = False
-        self.level3[level3_rows] = _sample(self.level3_samples, level3_rows, level3_ms)
+        predicted = len(self.level3) >= 2 and level3_rows > min(self.level3)
+        first = level3_rows not in self.level3 and level3_rows not in self.level3_samples
+        ms = _sample(self.level3_samples, level3_rows, level3_ms)
+        if not (first and predicted):
+            self.level3[level3_rows] = ms
 
     def figures(self) -> list[float]:
         """Every cost measured, in milliseconds."""
@@ -470,7 +478,8 @@ class Planner:
         d = self.estimates.level1[drafter]
         for check in checks:
             d.shadowed(*check)
-        d.timed(sum(asked for asked, _, _ in checks), ms)
+        if asked := sum(asked for asked, _, _ in checks):
+            d.timed(asked, ms)
 
     def level2_checked(self, proposed: int, accepted: int) -> None:
         """Level 3 accepted `accepted` of level 2's `proposed` tokens."""

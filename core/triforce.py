@@ -25,6 +25,9 @@ from core.retrieval import Retrieval
 from core.sampling import distributions, residual_distribution, speculative_verify
 
 
+SHADOW_GAMMA = 4  # tokens a drafter is asked for in passing (TriForce.shadow): within the γs auto mostly takes
+
+
 @dataclass
 class Draft:
     """What level 2 hands level 3 in one round: its tokens, their distributions q and provenance, and the time
@@ -68,6 +71,7 @@ class TriForce:
         self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
         self.counts = Acceptance()
         self.plans: list[str] = []  # the planner's choices, in order
+        self.pending: dict[str, tuple[list[int], int]] = {}  # shadow: a proposal in passing, and its tokens matched
 
     def prepare(self) -> Iterator[Event]:
         """Before decoding: level 2's first selection, with the queries the prefill recorded for the last prompt
@@ -133,21 +137,31 @@ class TriForce:
             round_ += 1
 
     def shadow(self, h: Hierarchy, seq: list[int], emitted: list[int]) -> None:
-        """Ask each drafter that needs no model (prompt lookup: microseconds a token), and that did not draft this
-        round, what it would have drafted: as levels 1 → 3 would, from the round's first position, checked against
-        the tokens level 3 emitted, again after each mismatch. The planner learns its cost and acceptance without
-        running it. Sampled too, a proposal x matches the emitted token with probability p(x), the probability that
-        level 3 accepts x."""
+        """Ask each drafter that needs no model (prompt lookup: microseconds a token), unless it drafted this round,
+        what it would have drafted, as levels 1 → 3 at γ SHADOW_GAMMA would ask it: each proposal is checked against
+        the tokens level 3 emits, this round and the next ones, up to a mismatch or its end, and the next one is
+        asked for at the token after. The planner learns the drafter's cost and acceptance without running it.
+        Sampled too, a proposal x matches the emitted token with probability p(x), the probability that level 3
+        accepts x. Checked only within a round, the proposals of one-token (autoregressive) rounds would show their
+        first tokens alone, which a match's continuation predicts better than its later ones."""
         for name, drafter in self.drafters.items():
-            if drafter.level is not None or name == h.level1:
+            if drafter.level is not None:
                 continue
-            t0, checks, i = time.perf_counter(), [], 0
-            while i < len(emitted):
-                asked = len(emitted) - i
-                tokens = drafter.propose(seq, asked, len(seq), emitted[:i]).tokens
-                accepted = next((k for k, (a, b) in enumerate(zip(tokens, emitted[i:])) if a != b), len(tokens))
-                checks.append((asked, len(tokens), accepted))
-                i += accepted + 1
+            if name == h.level1:  # its own round measured it; a proposal in passing starts afresh after
+                self.pending.pop(name, None)
+                continue
+            t0, checks = time.perf_counter(), []
+            tokens, matched = self.pending.pop(name, (None, 0))
+            for i, token in enumerate(emitted):
+                if tokens is None:
+                    tokens, matched = drafter.propose(seq, SHADOW_GAMMA, len(seq), emitted[:i]).tokens, 0
+                if matched < len(tokens) and tokens[matched] == token:
+                    matched += 1
+                else:  # level 3's correction, or the bonus token after the whole proposal
+                    checks.append((SHADOW_GAMMA, len(tokens), matched))
+                    tokens = None
+            if tokens is not None:
+                self.pending[name] = (tokens, matched)
             self.planner.shadowed(name, checks, (time.perf_counter() - t0) * 1e3)
 
     def footprint(self) -> Footprint:
