@@ -66,6 +66,9 @@ def joined(device: str | None = None, timeout_s: float = 1800.0) -> Iterator[Ten
     ACTIVE = TensorParallel(rank, world, dev, dist.group.WORLD)
     try:
         yield ACTIVE
+        # A broadcast's source may return before the others have read it; leaving then would close the socket
+        # they read from (gloo aborts the process). After a barrier every rank has read all it was sent.
+        dist.barrier(group=ACTIVE.group)
     finally:
         ACTIVE = None
         dist.destroy_process_group()
