@@ -36,6 +36,10 @@ SETTLE_MS = 200.0
 GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 31)  # the draft lengths weighed (all of 1-31: more cost than use)
 MAX_SWITCHES = 6  # per run, once the costs are measured
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
+# ... and at most this many behind one that a run of the same kind observed: a second click on a document starts
+# from what the first one saw, and one unlucky round (a rejection at the first token) must not overturn it; another
+# question on the document drafts differently, and a few rounds still show that.
+CARRIED_WEIGHT = 16.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,13 @@ class Estimate:
 def prior(alpha: float) -> Estimate:
     """An acceptance estimate before any verification: α worth PRIOR_WEIGHT observations."""
     return Estimate(PRIOR_WEIGHT, PRIOR_WEIGHT * alpha)
+
+
+def carried(seen: Estimate) -> Estimate:
+    """What an earlier run of the same kind observed, as the next run's prior: its rate, worth the observations
+    behind it up to CARRIED_WEIGHT."""
+    weight = min(seen.verified, CARRIED_WEIGHT)
+    return Estimate(weight, weight * seen.rate)
 
 
 # Samples behind each measured cost: their low median is the cost, so that one stalled round (a GC pause, a busy CPU,
@@ -182,9 +193,9 @@ class Drafting:
         self.a1.add(proposed, accepted)
         self.a13.add(proposed, accepted)
 
-    def rates(self) -> dict[str, float]:
+    def observed(self) -> dict[str, Estimate]:
         """The acceptances it observed (not priors), by field name: what a next run of its kind starts from."""
-        return {name: a.rate for name in ("a1", "a13", "offered")
+        return {name: copy.copy(a) for name in ("a1", "a13", "offered")
                 if (a := getattr(self, name)) is not None and a.verified > PRIOR_WEIGHT}
 
 
@@ -199,7 +210,7 @@ class CostBook:
         self.level3: dict[tuple, Costs] = {}
         self.levels: dict[tuple, Costs] = {}
         self.drafting: dict[tuple, Drafting] = {}
-        self.acceptance: dict[tuple, dict[str, float]] = {}  # by run kind ("a2") and drafter (Drafting.rates)
+        self.acceptance: dict[tuple, dict[str, Estimate]] = {}  # by run kind ("a2"), drafter (Drafting.observed)
 
     @staticmethod
     def _keys(offloaded: bool, prompt_tokens: int, greedy: bool, budget: int) -> tuple[tuple, tuple]:
@@ -239,14 +250,16 @@ class CostBook:
         levels = levels or Costs()
         e = Estimates(copy.deepcopy(Costs(levels.level2, level3, levels.overhead, {} if far else levels.samples,
                                           own.level3_samples, borrowed)))
-        if (a2 := (self._nearest(self.acceptance, run)[0] or {}).get("a2")) is not None:
-            e.a2 = prior(a2)
+        seen, far = self._nearest(self.acceptance, run)
+        if (a2 := (seen or {}).get("a2")) is not None:
+            e.a2 = prior(a2.rate) if far else carried(a2)
         for name in drafters:
             known, far = self._nearest(self.drafting, (*run, name))
             d = e.level1[name] = Drafting(known.ms, samples=copy.deepcopy(known.samples)) if known and not far \
                 else Drafting(known.ms if known else None)
-            for field_name, alpha in (self._nearest(self.acceptance, (*run, name))[0] or {}).items():
-                setattr(d, field_name, prior(alpha))
+            seen, far = self._nearest(self.acceptance, (*run, name))
+            for field_name, a in (seen or {}).items():
+                setattr(d, field_name, prior(a.rate) if far else carried(a))
         return e
 
     def learn(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, e: Estimates) -> None:
@@ -262,11 +275,11 @@ class CostBook:
             self.levels[run] = Costs(costs.level2, overhead=costs.overhead,
                                      samples=copy.deepcopy(costs.samples))  # level 3 lives in self.level3
         if e.a2.verified > PRIOR_WEIGHT:  # observed, not a prior
-            self.acceptance[run] = {"a2": e.a2.rate}
+            self.acceptance[run] = {"a2": copy.copy(e.a2)}
         for name, d in e.level1.items():
             if d.ms is not None:
                 self.drafting[(*run, name)] = Drafting(d.ms, samples=copy.deepcopy(d.samples))
-            if seen := d.rates():
+            if seen := d.observed():
                 self.acceptance[(*run, name)] = self.acceptance.get((*run, name), {}) | seen
 
     def figures(self) -> list[float]:

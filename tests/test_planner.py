@@ -15,7 +15,7 @@ from core.cuda_graphs import Graphs
 from core.drafters import NgramDrafter
 from core.events import Finished, PlanChosen
 from core.model import Transformer
-from core.planner import (AUTOREGRESSIVE, MAX_SWITCHES, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, WEIGH_MOST_MS,
+from core.planner import (AUTOREGRESSIVE, CARRIED_WEIGHT, MAX_SWITCHES, PRIOR_WEIGHT, MIN_ROUNDS, SETTLE_MS, WEIGH_EVERY_MS, WEIGH_MOST_MS,
                           CostBook, Costs, Drafting, Estimate, Estimates, Hierarchy, Planner, best, candidates,
                           expected_tokens, prior, rate)
 from core.triforce import SHADOW_GAMMA
@@ -186,9 +186,29 @@ def test_a_run_starts_from_the_acceptance_the_last_run_of_its_kind_saw():
     book.learn(False, 1000, False, 512, Estimates())
     second = book.estimates(False, 1000, False, 512, DRAFT)
     assert second.a2.rate == pytest.approx(first.a2.rate) and second.a2.rate > 0.95
-    assert second.a2.verified == priors.a2.verified  # a prior's weight
+    assert second.a2.verified == CARRIED_WEIGHT  # 104 observations behind it, worth no more than CARRIED_WEIGHT
     assert second.level1["model"].a1.rate == default.a1.rate  # a1 unseen
     assert book.estimates(False, 1000, False, 1024, DRAFT).a2.rate == priors.a2.rate  # another budget: its own kind
+
+
+def test_a_second_run_keeps_the_draft_length_its_prior_chose_through_one_rejection_at_the_first_token():
+    """Offloaded at 120K, as the app's second greedy click on a document: the first run saw level 2 accepted 0.93 of
+    the time; the second starts at γ2 20 from it, and its first round's draft is rejected at the first token. That
+    round is one observation beside the first run's sixty: the plan stays. (Worth PRIOR_WEIGHT observations, the
+    prior fell to 0.74 and the plan to γ2 8, expected at half the speed.) A prior borrowed from another kind of run
+    stays a guess."""
+    book, first = CostBook(), Estimates(Costs(6.0, {1: 300.0, 13: 330.0, 32: 380.0}))
+    for _ in range(4):
+        first.a2.add(proposed=12, accepted=12)
+        first.a2.add(proposed=12, accepted=1)
+    book.learn(True, 120_000, True, 4096, first)
+    p = Planner(book.estimates(True, 120_000, True, 4096, []), [], gamma1_max=2, gamma2_max=31, streamed=True)
+    chosen = p.choose()
+    assert chosen.level2 and chosen.gamma2 == 20
+    p.level2_checked(chosen.gamma2, 0)
+    p.observe("", 0, 0.0, chosen.gamma2, 6.0 * chosen.gamma2, chosen.gamma2 + 1, 330.0, 0.5)
+    assert p.choose() == chosen and p.estimates.a2.rate > 0.85
+    assert book.estimates(True, 120_000, False, 4096, []).a2.verified == PRIOR_WEIGHT  # sampled: borrowed
 
 
 def test_a_sampled_run_that_observed_nothing_leaves_the_next_one_the_acceptance_a_greedy_run_saw():
