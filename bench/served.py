@@ -2,8 +2,8 @@
 gradio_client. Its parts:
 
 gpu   what the Compare tab shows on a GPU: the first and the second greedy click on the same ~8K-token document,
-      then a sampled click (T 0.6 / top-p 0.9); beside them the same generations through Engine.generate in this
-      process, so the app's share of the cost is visible (app tokens/s over the engine's). The figures go to the
+      then a sampled click (T 0.6 / top-p 0.9); beside them the same clicks through Engine.generate in this
+      process (engine_replay), so the app's share of the cost is visible (app tokens/s over the engine's). The figures go to the
       GPU's result file under summary.app_gpu.
       python -m bench.served gpu --target DIR [--draft assets/draft] [--doc-tokens 8000] [--new-tokens 128]
       python -m bench.served gpu --random smollm2_135m --tokenizer DIR   # random bf16 weights at that shape
@@ -22,8 +22,9 @@ slow  A slow upload beside a short run: while one client uploads a crafted PDF (
 scale the app at a document's full length (summary.app_scale): the first and the second greedy Compare click and a
       sampled one (speedups), a TriForce-tab run (its heatmap), the largest frame any of them streamed, the server's
       RSS after the first and the last click (ten by default), Stop during the prefill of a new document (the first
-      progress line, and how soon a short run then finished), then the same sampled runs through Engine.generate
-      once the app has stopped (the app's tokens/s over the engine's, per method). Random weights are built as
+      progress line, and how soon a short run then finished), then the app's Compare clicks up to the sampled one
+      again through Engine.generate, in the same order, once the app has stopped (engine_replay: the app's tokens/s
+      over the engine's on the sampled click, per method). Random weights are built as
       bench.common's random models are (PyTorch's default initialisation, not transformers': that one's attention
       is near uniform, where retrieval means nothing).
       python -m bench.served scale --random llama31_8b --random-draft llama32_1b --tokenizer DIR \\
@@ -146,20 +147,26 @@ def random_model_dir(shape: str, tokenizer: str, out: Path, context: int = 8192,
     return out
 
 
-def engine_figures(target: str | None, draft: str | None, document: str, configs: dict[str, dict],
-                   gpu_memory_gib: float | None = None) -> dict:
-    """engine_tok_s of each named config (GenerationConfig fields) through Engine.generate in this process (run once
-    the app has stopped: the two never hold a GPU's memory at once), within the app's GPU memory budget."""
+def engine_replay(target: str | None, draft: str | None, document: str, clicks: dict[str, dict],
+                  gpu_memory_gib: float | None = None) -> dict[str, dict]:
+    """The app's Compare clicks again through Engine.generate in this process (once the app has stopped: the two
+    never hold a GPU's memory at once), within the app's GPU memory budget and in the app's order, after the warm-up
+    the app runs before serving on a GPU: each click's settings (GenerationConfig fields, its method beside AR)
+    decoded autoregressively, then by its method. Method auto's cost book then holds at each click what the app's
+    held, so a click's figures here and in the app differ only by what serving adds. By click name, then method:
+    tokens/s, acceptances, tokens per pass, plans."""
     engine = Engine.load(target, draft, gpu_memory_gib=gpu_memory_gib)
-    return {name: engine_tok_s(engine, document, GenerationConfig(**cfg).validate()) for name, cfg in configs.items()}
-
-
-def engine_tok_s(engine: Engine, document: str, cfg: GenerationConfig) -> dict:
-    """Tokens/s and acceptances of one generation through Engine.generate (after a warm-up run)."""
-    finish(engine, document, QUESTION, cfg)
-    s = finish(engine, document, QUESTION, cfg).stats
-    return {"tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens, "level1_acceptance": s.level1_acceptance,
-            "level2_acceptance": s.level2_acceptance, "tokens_per_target_forward": s.tokens_per_target_forward}
+    if engine.target.device.type == "cuda":
+        engine.warm_up()
+    figures: dict[str, dict] = {}
+    for name, settings in clicks.items():
+        for method in ("ar", settings["method"]):
+            s = finish(engine, document, QUESTION, GenerationConfig(**{**settings, "method": method}).validate()).stats
+            figures.setdefault(name, {})[method] = {
+                "tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens, "level1_acceptance": s.level1_acceptance,
+                "level2_acceptance": s.level2_acceptance, "tokens_per_target_forward": s.tokens_per_target_forward,
+                "plans": s.plans}
+    return figures
 
 
 def brief(summary: dict) -> dict:
@@ -188,24 +195,24 @@ def gpu(args: argparse.Namespace) -> None:
             results.data["app_gpu"] = rows
             results.save()
 
+    clicks = (("first_click", {"greedy": True}), ("second_click", {"greedy": True}), ("sampled", SAMPLED))
     started = time.monotonic()
     with serving(env, work / "app.log") as (client, pid):
         rows["app_start_s"] = time.monotonic() - started
         document = cut(load_tokenizer(target), args.doc_tokens)  # no weights in this process beside the app's
-        for name, overrides in (("first_click", {"greedy": True}), ("second_click", {"greedy": True}),
-                                ("sampled", SAMPLED)):
+        for name, overrides in clicks:
             t0 = time.monotonic()
             rows[name] = {**brief(compare(client, document, CUSTOM, **common, **overrides)),
                           "wall_s": time.monotonic() - t0}
             print(name, rows[name], flush=True)
             record()
         rows["app_rss_mib"] = rss_mib(pid)
-    rows |= engine_figures(target, args.draft, document, {
-        f"engine_sampled_{method}": {"method": method, "max_new_tokens": args.new_tokens, **SAMPLED}
-        for method in ("ar", "triforce")})
+    rows["engine_clicks"] = engine_replay(target, args.draft, document, {
+        name: {**common, **overrides} for name, overrides in clicks})
     sampled = rows["sampled"]
     for method, key in (("ar", "ar_tokens_per_s"), ("triforce", "triforce_tokens_per_s")):
-        rows[f"app_over_engine_sampled_{method}"] = sampled[key] / rows[f"engine_sampled_{method}"]["tokens_per_s"]
+        rows[f"app_over_engine_sampled_{method}"] = \
+            sampled[key] / rows["engine_clicks"]["sampled"][method]["tokens_per_s"]
     rows["summary"] = {"first_click_speedup": rows["first_click"]["speedup"],
                        "second_click_speedup": rows["second_click"]["speedup"],
                        "sampled_speedup_8k": sampled["speedup"],
@@ -412,17 +419,18 @@ def scale(args: argparse.Namespace) -> None:
         print("stop", json.dumps(rows["stop"]), flush=True)
     rows["rss_mib"], rows["load_average_during_app"] = rss, os.getloadavg()
     chosen = dict(preset_by_name(EMBEDDED).settings) if target is None else {}  # what the app's panel started from
-    rows |= engine_figures(target, draft or None, document, {f"engine_sampled_{method}": {
-        **chosen, **common, **SAMPLED, "method": method} for method in ("ar", args.method)}, args.gpu_memory_gib)
+    replayed = [(name, overrides) for name, endpoint, overrides in clicks[:args.clicks] if endpoint == "/compare"]
+    replayed = replayed[:[name for name, _ in replayed].index("sampled") + 1]  # the app's history up to its sampled click
+    rows["engine_clicks"] = engine_replay(target, draft or None, document, {
+        name: {**chosen, **common, **overrides} for name, overrides in replayed}, args.gpu_memory_gib)
     rows["load_average_after_engine"] = os.getloadavg()  # the machine's other work (a shared CPU skews the ratios)
-    sampled = rows["sampled"]
-    engine_speedup = rows[f"engine_sampled_{args.method}"]["tokens_per_s"] / rows["engine_sampled_ar"]["tokens_per_s"]
+    sampled, engine = rows["sampled"], rows["engine_clicks"]["sampled"]
+    engine_speedup = engine[args.method]["tokens_per_s"] / engine["ar"]["tokens_per_s"]
     rows["summary"] = {
         "first_click_speedup": rows["first_click"]["speedup"], "second_click_speedup": rows["second_click"]["speedup"],
         "sampled_speedup": sampled["speedup"], "engine_sampled_speedup": engine_speedup,
-        "app_over_engine_ar": sampled["ar_tokens_per_s"] / rows["engine_sampled_ar"]["tokens_per_s"],
-        "app_over_engine_triforce": sampled["triforce_tokens_per_s"]
-        / rows[f"engine_sampled_{args.method}"]["tokens_per_s"],
+        "app_over_engine_ar": sampled["ar_tokens_per_s"] / engine["ar"]["tokens_per_s"],
+        "app_over_engine_triforce": sampled["triforce_tokens_per_s"] / engine[args.method]["tokens_per_s"],
         "max_frame_bytes": max(frames), f"rss_growth_after_{len(rss)}": rss[-1] / rss[0] - 1, "method": args.method,
         "stop_short_run_done_after_s": rows["stop"]["short_run_done_after_stop_s"]}
     print(rows["summary"], flush=True)
