@@ -192,7 +192,12 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., int | None], 
     """One spawned rank: the environment torchrun would give it, then fn(*args); its return value is the exit code."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    sys.exit(fn(*args) or 0)
+    code = fn(*args) or 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Its work done and its group left, the rank skips the interpreter's teardown: there, threads the distributed
+    # runtime left behind have aborted a finished rank ("terminate called without an active exception").
+    os._exit(code)
 
 
 def launch(world: int, fn: Callable[..., int | None], *args: Any, timeout_s: float | None = None,
