@@ -3,8 +3,8 @@ gradio_client. Its parts:
 
 gpu   what the Compare tab shows on a GPU: the first and the second greedy click on the same ~8K-token document,
       then a sampled click (T 0.6 / top-p 0.9); beside them the same clicks through Engine.generate in this
-      process (engine_replay), so the app's share of the cost is visible (app tokens/s over the engine's). The figures go to the
-      GPU's result file under summary.app_gpu.
+      process (engine_replay), so the app's share of the cost is visible (app tokens/s over the engine's). The
+      figures go to the GPU's result file under summary.app_gpu.
       python -m bench.served gpu --target DIR [--draft assets/draft] [--doc-tokens 8000] [--new-tokens 128]
       python -m bench.served gpu --random smollm2_135m --tokenizer DIR   # random bf16 weights at that shape
 soak  N mixed runs (TriForce and Compare, greedy and sampled, varied document sizes and budgets, a refused input
@@ -419,10 +419,9 @@ def scale(args: argparse.Namespace) -> None:
         print("stop", json.dumps(rows["stop"]), flush=True)
     rows["rss_mib"], rows["load_average_during_app"] = rss, os.getloadavg()
     chosen = dict(preset_by_name(EMBEDDED).settings) if target is None else {}  # what the app's panel started from
-    replayed = [(name, overrides) for name, endpoint, overrides in clicks[:args.clicks] if endpoint == "/compare"]
-    replayed = replayed[:[name for name, _ in replayed].index("sampled") + 1]  # the app's history up to its sampled click
+    history = clicks[:[name for name, _, _ in clicks].index("sampled") + 1]  # Compare clicks, up to the sampled one
     rows["engine_clicks"] = engine_replay(target, draft or None, document, {
-        name: {**chosen, **common, **overrides} for name, overrides in replayed}, args.gpu_memory_gib)
+        name: {**chosen, **common, **overrides} for name, _, overrides in history}, args.gpu_memory_gib)
     rows["load_average_after_engine"] = os.getloadavg()  # the machine's other work (a shared CPU skews the ratios)
     sampled, engine = rows["sampled"], rows["engine_clicks"]["sampled"]
     engine_speedup = engine[args.method]["tokens_per_s"] / engine["ar"]["tokens_per_s"]

@@ -66,8 +66,8 @@ def joined(device: str | None = None, timeout_s: float = 1800.0) -> Iterator[Ten
     ACTIVE = TensorParallel(rank, world, dev, dist.group.WORLD)
     try:
         yield ACTIVE
-        # A broadcast's source may return before the others have read it; leaving then would close the socket
-        # they read from (gloo aborts the process). After a barrier every rank has read all it was sent.
+        # No rank tears the group down while another may still be in a collective with it (a broadcast's source
+        # returns once it has sent): all leave together.
         dist.barrier(group=ACTIVE.group)
     finally:
         ACTIVE = None

@@ -89,10 +89,11 @@ def prior(alpha: float) -> Estimate:
     return Estimate(PRIOR_WEIGHT, PRIOR_WEIGHT * alpha)
 
 
-def carried(seen: Estimate) -> Estimate:
-    """What an earlier run of the same kind observed, as the next run's prior: its rate, worth the observations
-    behind it up to CARRIED_WEIGHT."""
-    weight = min(seen.verified, CARRIED_WEIGHT)
+def carried(seen: Estimate, borrowed: bool) -> Estimate:
+    """What an earlier run observed, as the next run's prior: its rate, worth the observations behind it up to
+    CARRIED_WEIGHT where that run was of the same kind, a default prior's PRIOR_WEIGHT where it is `borrowed` from
+    another kind."""
+    weight = PRIOR_WEIGHT if borrowed else min(seen.verified, CARRIED_WEIGHT)
     return Estimate(weight, weight * seen.rate)
 
 
@@ -252,14 +253,14 @@ class CostBook:
                                           own.level3_samples, borrowed)))
         seen, far = self._nearest(self.acceptance, run)
         if (a2 := (seen or {}).get("a2")) is not None:
-            e.a2 = prior(a2.rate) if far else carried(a2)
+            e.a2 = carried(a2, far)
         for name in drafters:
             known, far = self._nearest(self.drafting, (*run, name))
             d = e.level1[name] = Drafting(known.ms, samples=copy.deepcopy(known.samples)) if known and not far \
                 else Drafting(known.ms if known else None)
             seen, far = self._nearest(self.acceptance, (*run, name))
             for field_name, a in (seen or {}).items():
-                setattr(d, field_name, prior(a.rate) if far else carried(a))
+                setattr(d, field_name, carried(a, far))
         return e
 
     def learn(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int, e: Estimates) -> None:
