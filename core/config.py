@@ -129,6 +129,10 @@ class GenerationConfig:
     offload: str = setting("auto", "keep the full KV cache in CPU memory and stream it to the GPU layer by layer "
                            "(auto: when it does not fit the GPU)", label="Offload the full KV cache",
                            choices=("auto", "on", "off"))
+    draft_ahead: str = setting("auto", "level 2 drafts the next round while level 3 verifies this one, kept when "
+                               "level 3 accepts every draft and then emits level 2's guess (auto: when the full cache "
+                               "streams from CPU memory to a GPU, which then waits on copies)", label="Draft ahead",
+                               choices=("auto", "on", "off"))
 
     def validate(self) -> GenerationConfig:
         """Raise TriForceError naming the first bad setting; return self when all are valid."""

@@ -182,6 +182,8 @@ class Footprint:
     level1_weight_bytes: int = 0
     near_ties: list[tuple[int, float]] = field(default_factory=list)  # (answer token, top-two logit margin)
     plans: list[str] = field(default_factory=list)  # the hierarchies a planner chose, in order
+    ahead_made: int = 0  # next-round drafts level 2 made while level 3 verified (TriForce.draft_ahead)
+    ahead_kept: int = 0  # ... and those a round used
 
 
 @dataclass(kw_only=True)
@@ -215,6 +217,8 @@ class Stats(Acceptance):
     host_link_bytes: int = 0  # bytes copied between CPU and GPU memory while decoding (offloaded full cache)
     near_ties: list[tuple[int, float]] = field(default_factory=list)  # greedy AR: tokens its top two logits nearly tied
     plans: list[str] = field(default_factory=list)  # method auto: the hierarchies chosen, in order
+    ahead_made: int = 0  # next-round drafts level 2 made while level 3 verified
+    ahead_kept: int = 0  # ... and those a round used
 
     @classmethod
     def of(cls, footprint: Footprint, **figures) -> "Stats":

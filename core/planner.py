@@ -323,8 +323,9 @@ class Estimates:
     level1: dict[str, Drafting] = field(default_factory=dict)
 
 
-def rate(h: Hierarchy, e: Estimates) -> float | None:
-    """Expected tokens per millisecond of `h` (None while a cost it needs is unmeasured)."""
+def rate(h: Hierarchy, e: Estimates, ahead: bool = False) -> float | None:
+    """Expected tokens per millisecond of `h` (None while a cost it needs is unmeasured); `ahead`: level 2 drafts
+    the next round while level 3 verifies (TriForce.draft_ahead), on a device that runs the two at once."""
     c = e.costs
     verify = c.verify(h.gamma2 + 1)
     d = e.level1.get(h.level1)
@@ -335,7 +336,15 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
     if h.level2:  # level 2 makes γ2 tokens, each level-2 forward checking γ1 level-1 tokens when level 1 drafts
         per_forward = expected_tokens(d.a1.rate, d.offered.rate * h.gamma1) if d else 1.0
         forward = c.level2 + (h.gamma1 * d.ms if d else 0.0)
-        return expected_tokens(e.a2.rate, h.gamma2) / (h.gamma2 * forward / per_forward + verify + c.overhead)
+        drafting = h.gamma2 * forward / per_forward
+        if not ahead:
+            return expected_tokens(e.a2.rate, h.gamma2) / (drafting + verify + c.overhead)
+        # While level 3 verifies, level 2 guesses the token level 3 will emit after the draft (one forward) and drafts
+        # the next round after it: that draft stands when level 3 accepts every draft and then emits the guess (about
+        # as likely as accepting one draft more), so a round drafts for itself only otherwise.
+        kept = e.a2.rate ** (h.gamma2 + 1)
+        round_ms = (1.0 - kept) * drafting + max(verify, c.level2 + drafting) + c.overhead
+        return expected_tokens(e.a2.rate, h.gamma2) / round_ms
     return expected_tokens((d.a13 or d.a1).rate, d.offered.rate * h.gamma2) / (h.gamma2 * d.ms + verify)
 
 
@@ -353,9 +362,9 @@ def candidates(drafters: Sequence[str], gamma1_max: int, gamma2_max: int, level2
     return out
 
 
-def best(options: list[Hierarchy], e: Estimates) -> tuple[Hierarchy, float] | None:
+def best(options: list[Hierarchy], e: Estimates, ahead: bool = False) -> tuple[Hierarchy, float] | None:
     """The option with the highest expected rate, and that rate (None while no option's rate is known)."""
-    rated = [(r, h) for h in options if (r := rate(h, e)) is not None]
+    rated = [(r, h) for h in options if (r := rate(h, e, ahead)) is not None]
     return max(rated, key=lambda x: x[0])[::-1] if rated else None
 
 
@@ -378,6 +387,7 @@ class Planner:
     gamma2_max: int
     streamed: bool = False
     level2: bool = True
+    ahead: bool = False  # level 2 drafts the next round while level 3 verifies, at once (see rate)
     fixed: Hierarchy | None = None  # the hierarchy of every round (method triforce): the planner then only records
     current: Hierarchy | None = None
     rounds: int = 0  # in the current plan
@@ -413,12 +423,12 @@ class Planner:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
         fresh = self.current is None or self.reason.startswith("measuring")  # else due (the first line)
         self.since_weighed_ms = 0.0
-        h, r = best(self.options, self.estimates)
+        h, r = best(self.options, self.estimates, self.ahead)
         ar = self._autoregressive()
         # a drafting plan must clearly beat AR to be taken; out of switches, only a way back to AR is left
         if (h.gamma2 and r < SWITCH_GAIN * ar) or (not fresh and self.switches >= MAX_SWITCHES):
             h, r = AUTOREGRESSIVE, ar
-        now = rate(self.current, self.estimates) if self.current else None
+        now = rate(self.current, self.estimates, self.ahead) if self.current else None
         # another plan must be clearly faster to replace the current one, unless the current one is now expected
         # slower than autoregressive decoding (which the planner never knowingly stays)
         if fresh or now is None or (h != self.current and (r > SWITCH_GAIN * now or now < ar)):
@@ -435,7 +445,7 @@ class Planner:
         (drafts rejected that its prior expected accepted)."""
         spare = self.switches < MAX_SWITCHES
         if self.rounds >= MIN_ROUNDS and self.current.gamma2 and self.expected:
-            now = rate(self.current, self.estimates) or 0.0
+            now = rate(self.current, self.estimates, self.ahead) or 0.0
             if now < self._autoregressive() or (spare and SWITCH_GAIN * now < self.expected):
                 return True
         settled = self.rounds >= MIN_ROUNDS or self.since_weighed_ms >= SETTLE_MS

@@ -4,9 +4,10 @@ round (core.planner)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Generator, Iterator
+from typing import Generator, Iterator, Sequence
 
 import torch
 
@@ -18,6 +19,7 @@ from core.events import Acceptance, DraftProposal, Event, Footprint, PlanChosen,
 from core.kvcache import KVCache
 from core.levels import Level
 from core.output import Output
+from core import parallel
 from core.parallel import agree
 from core.planner import Estimates, Hierarchy, Planner
 from core.repetition import Repetition
@@ -40,6 +42,60 @@ class Draft:
     level2_s: float = 0.0
     asked: int = 0  # level-1 tokens asked for (whether proposed or not: a drafter's cost is per token asked)
     level2_forwards: int = 0
+    checks: list[tuple[int, int]] = field(default_factory=list)  # level 2's checks of level 1: (proposed, accepted)
+    feature: torch.Tensor | None = None  # level 2's hidden state that produced the last token
+
+
+@dataclass
+class Ahead:
+    """Level 2's draft of the next round, made while level 3 verified this one after level 2's `guess` at the token
+    level 3 would emit next; its events held back until a round uses it."""
+
+    plan: Hierarchy
+    guess: int
+    draft: Draft
+    events: list[Event]
+    cost: Draft  # the time and forwards it took, the guess's too (no tokens)
+
+
+class Overlap:
+    """Level 3 on a stream of its own, so that level 2 drafts ahead meanwhile: a GPU runs both at once, and a pass
+    over a cache streamed from CPU memory mostly waits on its copies. Elsewhere the two run one after the other."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.stream is not None:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.host_ms = 0.0
+
+    @contextlib.contextmanager
+    def level3(self) -> Iterator[None]:
+        """Queue level 3's work on its stream (after everything queued before it)."""
+        t0 = time.perf_counter()
+        if self.stream is None:
+            yield
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            self.start.record(self.stream)
+            with torch.cuda.stream(self.stream):
+                yield
+            self.end.record(self.stream)
+        self.host_ms = (time.perf_counter() - t0) * 1e3
+
+    def join(self, *tensors: torch.Tensor) -> None:
+        """Make the current stream wait for level 3 before it reads `tensors`, which level 3 computed."""
+        if self.stream is not None:
+            current = torch.cuda.current_stream()
+            current.wait_stream(self.stream)
+            for t in tensors:
+                t.record_stream(current)
+
+    def level3_ms(self) -> float:
+        """What level 3's work took: on a GPU its stream's time (joined first), else the host's."""
+        if self.stream is None:
+            return self.host_ms
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end)
 
 
 class TriForce:
@@ -63,15 +119,22 @@ class TriForce:
         self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
         self.auto = estimates is not None
         fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2)
-        self.planner = Planner(estimates or Estimates(), list(drafters), cfg.gamma1, cfg.gamma2,
-                               streamed=not target.cache.resident,
+        # level 2 drafts ahead where level 3's pass waits on copies from CPU memory (not under tensor parallelism,
+        # whose ranks must run their collectives in one order)
+        streamed = not target.cache.resident
+        self.ahead = cfg.draft_ahead == "on" or (cfg.draft_ahead == "auto" and streamed and parallel.ACTIVE is None
+                                                 and model.device.type == "cuda")
+        self.overlap = Overlap(model.device)
+        self.planner = Planner(estimates or Estimates(), list(drafters), cfg.gamma1, cfg.gamma2, streamed=streamed,
                                level2=self.retrieval.n_select < self.retrieval.index.num_chunks,
+                               ahead=self.ahead and self.overlap.stream is not None,
                                fixed=None if self.auto else fixed)
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs, drafting=True)
         self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
         self.counts = Acceptance()
         self.plans: list[str] = []  # the planner's choices, in order
         self.pending: dict[str, tuple[list[int], int]] = {}  # shadow: a proposal in passing, and its tokens matched
+        self.ahead_made = self.ahead_kept = 0  # next-round drafts level 2 made ahead, and those a round used
 
     def prepare(self) -> Iterator[Event]:
         """Before decoding: level 2's first selection, with the queries the prefill recorded for the last prompt
@@ -85,6 +148,7 @@ class TriForce:
         round_ = 0
         feature = None  # the target's hidden state that produced seq's last token (none for the prompt's)
         shown = None  # the plan the last PlanChosen named
+        ready: Ahead | None = None  # this round's draft, if level 2 made it during the last verification
         while not self.out.done:
             h = self.planner.choose()
             if self.auto:  # timings differ between tensor-parallel ranks: all follow rank 0's choice
@@ -101,12 +165,29 @@ class TriForce:
             if h.level2:  # level 2's cache takes what level 3 verified since it was last in step, whatever drafted it
                 retrieval.sync(self.level2, target, seq, retrieval.synced)
             sync_s = clock(self.graphs) - t0
-            draft = yield from self.draft(h, seq, committed, round_, feature)
+            if ready is not None and ready.plan == h:
+                draft, spent = ready.draft, Draft()  # its cost was counted in the round that made it
+                self.ahead_kept += 1
+                yield from ready.events
+            else:
+                draft = spent = yield from self.draft(h, seq, committed, round_, feature)
+            ready = None
+            for proposed, accepted in draft.checks:
+                self.counts.count(1, proposed, accepted)
             t0 = clock(self.graphs)
+            captured = self.graphs.capture_s if self.graphs is not None else 0.0
             reselect = h.level2 and retrieval.policy.due(round_)
             n = len(draft.tokens)
+            # the next round's draft length should level 3 accept all of this one (then it emits n + 1 tokens)
+            after = min(h.gamma2, self.cfg.max_new_tokens - len(self.out.ids) - n - 1)
+            made = None  # the next round's draft, if level 2 drafts ahead during this verification
             if n or reselect:
-                h3 = target.states(seq, n + 1, committed, draft.tokens, record=n + 1 if reselect else 0)
+                ahead = self.ahead and h.level2 and not reselect and after > 0
+                with self.overlap.level3() if ahead else contextlib.nullcontext():
+                    h3 = target.states(seq, n + 1, committed, draft.tokens, record=n + 1 if reselect else 0)
+                if ahead:
+                    made = self.draft_ahead(h, seq, committed, draft, round_ + 1, after)
+                    self.overlap.join(h3)
                 p3 = distributions(self.repetition(target.head(h3), seq, draft.tokens), cfg)
                 accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q) if draft.q else None, p3,
                                                      self.generator)
@@ -115,6 +196,13 @@ class TriForce:
                 accepted, (token, h3, _) = 0, next_token(target, seq, self.repetition, cfg, self.generator)
                 feature = h3[0]
             level3_s = clock(self.graphs) - t0
+            level3_ms = level3_s * 1e3
+            if made is not None:  # level 3's own time is its stream's, unless a first capture (warm-up) fell in it
+                self.ahead_made += 1
+                fresh = self.graphs is not None and self.graphs.capture_s != captured
+                level3_ms = level3_ms - (made.cost.level1_s + made.cost.level2_s) * 1e3 if fresh \
+                    else self.overlap.level3_ms()
+                ready = made if accepted == n and token == made.guess else None
             self.counts.count(2 if h.level2 else 1, n, accepted)  # (level 1's drafts checked by level 3 directly)
             if h.level2:
                 self.planner.level2_checked(n, accepted)
@@ -130,9 +218,13 @@ class TriForce:
                 event = retrieval.select(target.queries, accepted, round_ + 1, committed + accepted)
                 selection_s = event.seconds
                 yield event
-            self.planner.observe(h.level1, draft.asked, draft.level1_s * 1e3, draft.level2_forwards,
-                                 draft.level2_s * 1e3, n + 1, level3_s * 1e3, (sync_s + selection_s) * 1e3)
-            yield StepTiming(round_, draft.level1_s * 1e3, (draft.level2_s + sync_s) * 1e3, level3_s * 1e3,
+            # the planner learns what the drafting this round did cost (ahead or not); the timeline shows what the
+            # round waited on (drafting ahead ran during level 3's wait)
+            drafted = [spent, made.cost] if made is not None else [spent]
+            self.planner.observe(h.level1, sum(d.asked for d in drafted), sum(d.level1_s for d in drafted) * 1e3,
+                                 sum(d.level2_forwards for d in drafted), sum(d.level2_s for d in drafted) * 1e3,
+                                 n + 1, level3_ms, (sync_s + selection_s) * 1e3)
+            yield StepTiming(round_, spent.level1_s * 1e3, (spent.level2_s + sync_s) * 1e3, level3_s * 1e3,
                              selection_s * 1e3, accepted + 1)
             round_ += 1
 
@@ -172,7 +264,7 @@ class TriForce:
         level1 = drafter.level if drafter else None
         return Footprint(self.counts, name, drafter.steps if drafter else 0, self.retrieval.cache.nbytes,
                          level1.cache.nbytes if level1 else 0, level1.model.step_weight_bytes() if level1 else 0,
-                         plans=self.plans)
+                         plans=self.plans, ahead_made=self.ahead_made, ahead_kept=self.ahead_kept)
 
     def measured(self) -> Estimates:
         """What the steps of each level took in this run and the acceptances it saw (a fixed hierarchy's too: the
@@ -204,26 +296,27 @@ class TriForce:
         return draft
 
     def draft_level2(self, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None, level1: str,
-                     gamma1: int, want: int) -> Generator[Event, None, Draft]:
-        """Level 2 produces `want` tokens, verifying up to `gamma1` proposals of drafter `level1` ("": none) per
-        forward; yields events, returns the draft. `feature`: the hidden state that produced seq's last token, for a
-        drafter that uses it."""
+                     gamma1: int, want: int, prefix: Sequence[int] = ()) -> Generator[Event, None, Draft]:
+        """Level 2 produces `want` tokens after seq + `prefix`, verifying up to `gamma1` proposals of drafter `level1`
+        ("": none) per forward; yields events, returns the draft. `feature`: the hidden state that produced the last
+        token, for a drafter that uses it."""
         cfg, level2 = self.cfg, self.level2
         gamma1 = gamma1 if level1 else 0
-        draft = Draft()
+        draft = Draft(feature=feature)
         while len(draft.tokens) < want:
             t0 = clock(self.graphs)
             asked = min(gamma1, want - len(draft.tokens))
-            proposals, q1, copied = self.drafters[level1].propose(seq, asked, committed, draft.tokens, feature) \
+            before = [*prefix, *draft.tokens]
+            proposals, q1, copied = self.drafters[level1].propose(seq, asked, committed, before, draft.feature) \
                 if asked else ([], None, [])
             t1 = clock(self.graphs)
-            h2 = level2.states(seq, len(proposals) + 1, committed, draft.tokens + proposals)
-            p2 = distributions(self.repetition(level2.head(h2), seq, draft.tokens + proposals), cfg)
+            h2 = level2.states(seq, len(proposals) + 1, committed, before + proposals)
+            p2 = distributions(self.repetition(level2.head(h2), seq, before + proposals), cfg)
             # The residual is explicit here: the reference code samples from p2 instead, which biases level 3's q.
             accepted, token = speculative_verify(proposals, q1, p2, self.generator, residual=residual_distribution)
             draft.level1_s += t1 - t0
             draft.level2_s += clock(self.graphs) - t1
-            self.counts.count(1, len(proposals), accepted)
+            draft.checks.append((len(proposals), accepted))
             draft.asked += asked
             draft.level2_forwards += 1
             if asked:
@@ -232,8 +325,31 @@ class TriForce:
                 yield DraftProposal(round_, proposals, copied)
             yield Verdict(2, round_, proposals, accepted, token, accepted == len(proposals))
             draft.tokens += proposals[:accepted] + [token]
-            feature = h2[accepted]
+            draft.feature = h2[accepted]
             draft.q += list(p2[:accepted + 1])
             draft.provenance += ["copy" if c else "draft" for c in copied[:accepted]] + ["level2"]
         del draft.tokens[want:], draft.q[want:], draft.provenance[want:]
         return draft
+
+    def draft_ahead(self, h: Hierarchy, seq: list[int], committed: int, draft: Draft, round_: int, want: int
+                    ) -> Ahead:
+        """While level 3 verifies `draft`: level 2's guess at the token level 3 emits after it, should it accept it
+        all, and the next round's draft of `want` tokens after that guess. Exact like any draft: a round uses it
+        only when seq grew by exactly draft + guess, and it is then what level 2 drafts after that sequence."""
+        guess = _drain(self.draft_level2(seq, committed, round_, draft.feature, "", 0, 1, draft.tokens), [])
+        events: list[Event] = []
+        after = _drain(self.draft_level2(seq, committed, round_, guess.feature, h.level1, h.gamma1, want,
+                                         [*draft.tokens, *guess.tokens]), events)
+        cost = Draft(asked=after.asked, level1_s=guess.level1_s + after.level1_s,
+                     level2_s=guess.level2_s + after.level2_s,
+                     level2_forwards=guess.level2_forwards + after.level2_forwards)
+        return Ahead(h, guess.tokens[0], after, events, cost)
+
+
+def _drain(events: Generator[Event, None, Draft], into: list[Event]) -> Draft:
+    """Run a drafting generator to its end, its events appended to `into`; its draft."""
+    while True:
+        try:
+            into.append(next(events))
+        except StopIteration as done:
+            return done.value

@@ -38,7 +38,8 @@ CFG = dict(method="triforce", max_new_tokens=2, budget=8, chunk_size=4, gamma1=2
 
 
 def emitted_pairs(engine: Engine, prompt: list[int], draws: int, **extra) -> tuple[Counter, dict]:
-    """Counts of the first two emitted tokens over `draws` seeds, and acceptance counters summed over the runs."""
+    """Counts of the emitted tokens (max_new_tokens of them: two unless `extra` says) over `draws` seeds, and
+    acceptance and drafting-ahead counters summed over the runs."""
     counts, levels = Counter(), Counter()
     for seed in range(draws):
         cfg = GenerationConfig(**{**CFG, **extra}, seed=seed).validate()
@@ -48,12 +49,15 @@ def emitted_pairs(engine: Engine, prompt: list[int], draws: int, **extra) -> tup
         levels["l1_accepted"] += finished.stats.level1_accepted
         levels["l2_proposed"] += finished.stats.level2_proposed
         levels["l2_accepted"] += finished.stats.level2_accepted
+        levels["ahead_made"] += finished.stats.ahead_made
+        levels["ahead_kept"] += finished.stats.ahead_kept
     return counts, levels
 
 
-def target_pairs(engine: Engine, prompt: list[int], processors: Sequence[LogitsProcessor] = ()) -> dict:
-    """Exact probability of each first two tokens under the target with the full context, its logits put through
-    transformers' `processors` first."""
+def target_pairs(engine: Engine, prompt: list[int], processors: Sequence[LogitsProcessor] = (), length: int = 2
+                 ) -> dict:
+    """Exact probability of each sequence of the first `length` tokens under the target with the full context, its
+    logits put through transformers' `processors` first."""
     cfg = GenerationConfig(**CFG)
     m = engine.target
 
@@ -65,5 +69,7 @@ def target_pairs(engine: Engine, prompt: list[int], processors: Sequence[LogitsP
             logits = processor(torch.tensor([seq], device=m.device), logits)
         return distributions(logits, cfg)[0]
 
-    first = dist(prompt)
-    return {(a, b): float(first[a]) * float(pb) for a in range(VOCAB) for b, pb in enumerate(dist(prompt + [a]))}
+    probs = {(): 1.0}
+    for _ in range(length):
+        probs = {(*seq, x): p * float(px) for seq, p in probs.items() for x, px in enumerate(dist(prompt + list(seq)))}
+    return probs

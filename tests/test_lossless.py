@@ -61,3 +61,33 @@ def test_repetition_penalty_is_lossless_and_row_histories_matter(monkeypatch, on
         biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS, repetition_penalty=penalty)
     p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
     assert p_biased < 1e-6, f"row-history bias not detected (p={p_biased:.2e})"
+
+
+def test_drafting_ahead_is_lossless_and_an_off_by_one_q_is_detected(monkeypatch, one_thread):
+    """Level 2 drafts the next round while level 3 verifies (draft_ahead on; without a GPU the two run in turn): the
+    first three tokens keep the target's distribution, with the second round's draft made ahead in many runs; the
+    same test fails when the draft made ahead is verified against the q of the position before each token (the
+    guess's distribution first)."""
+    engine, prompt = tiny_engine()
+    ahead = dict(max_new_tokens=3, gamma2=1, reselect="once", draft_ahead="on")
+    with torch.no_grad():
+        expected = target_pairs(engine, prompt, length=3)
+        counts, levels = emitted_pairs(engine, prompt, DRAWS, **ahead)
+    assert 0 < levels["ahead_kept"] < levels["ahead_made"] <= DRAWS
+    assert levels["ahead_kept"] > DRAWS / 10
+    p_ok = chi_square_p(counts, expected, DRAWS)
+    assert p_ok > 1e-3, f"drafting ahead rejected (p={p_ok:.2e})"
+
+    draft_ahead = core.triforce.TriForce.draft_ahead
+
+    def shifted(self, h, seq, committed, draft, round_, want):
+        made = draft_ahead(self, h, seq, committed, draft, round_, want)
+        guess = self.level2.logits(seq, 1, committed, draft.tokens)  # level 2's row for the guess
+        made.draft.q = [core.triforce.distributions(guess, self.cfg)[0], *made.draft.q[:-1]]
+        return made
+
+    monkeypatch.setattr(core.triforce.TriForce, "draft_ahead", shifted)
+    with torch.no_grad():
+        biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS, **ahead)
+    p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
+    assert p_biased < 1e-6, f"an off-by-one q of drafts made ahead not detected (p={p_biased:.2e})"

@@ -8,7 +8,7 @@ import torch
 
 from core.config import GenerationConfig, TriForceError
 from core.engine import Engine
-from core.events import Finished, PlanChosen, PromptReady
+from core.events import Finished, PlanChosen, PromptReady, Verdict
 from core.kvcache import KVCache
 from core.levels import Level
 from core import offload
@@ -119,6 +119,29 @@ def test_greedy_offloaded_triforce_equals_on_chip_and_ar(engine, reselect):
     kv_token = 2 * engine.target.args.n_layers * engine.target.args.n_kv_heads * engine.target.args.head_dim * 4
     assert offloaded.stats.host_link_bytes >= offloaded.stats.target_forwards * len(PROMPT) * kv_token
     assert on_chip.stats.host_link_bytes == 0
+
+
+def test_drafting_ahead_keeps_greedy_tokens_and_shows_each_round_the_draft_it_verified(engine):
+    """Level 2 drafts each next round while level 3 verifies (draft_ahead on: on a CPU the two run in turn): the
+    tokens are AR's, some rounds verify a draft made ahead, and each round's level-2 verdicts are those of the draft
+    its level 3 verified (a draft made ahead and dropped shows nowhere)."""
+    base = dict(greedy=True, max_new_tokens=40, budget=80, chunk_size=4, gamma2=4, offload="on")
+    cfg = GenerationConfig(method="triforce", draft_ahead="on", **base).validate()
+    with torch.no_grad():
+        events = list(engine.generate_ids(PROMPT, cfg))
+    done = events[-1]
+    assert done.token_ids == finish(engine, method="ar", **base).token_ids
+    assert 0 < done.stats.ahead_kept < done.stats.ahead_made
+    streams_to_a_gpu = engine.target.device.type == "cuda"  # draft_ahead auto: only where a GPU streams the cache
+    assert (finish(engine, **base).stats.ahead_made > 0) == streams_to_a_gpu
+    verdicts = [e for e in events if isinstance(e, Verdict)]
+    for v3 in (v for v in verdicts if v.level == 3 and v.proposed):
+        drafted = [t for v in verdicts if v.level == 2 and v.round == v3.round
+                   for t in v.proposed[:v.accepted] + [v.token]]
+        assert drafted[:len(v3.proposed)] == v3.proposed and len(drafted) - len(v3.proposed) < cfg.gamma1 + 1
+    level1 = [v for v in verdicts if v.level == 2]
+    assert done.stats.level1_proposed == sum(len(v.proposed) for v in level1)
+    assert done.stats.level1_accepted == sum(v.accepted for v in level1)
 
 
 def test_offloaded_auto_equals_ar_without_spending_a_pass_on_an_autoregressive_step():
