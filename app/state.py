@@ -311,6 +311,7 @@ def live_stats(state: RunState, now: float | None = None) -> dict:
             "retrieval_cache_bytes": s.retrieval_cache_bytes or None, "stop_reason": s.stop_reason,
             "device": s.device, "dtype": s.dtype, "levels": level_costs(state), "offloaded": state.offloaded,
             "caches": state.caches, "host_link_bytes_per_token": s.host_link_bytes / max(s.new_tokens, 1) or None,
+            "drafts_ahead": (s.ahead_kept, s.ahead_made) if s.ahead_made else None,
             "warmup_s": s.warmup_s, "plans": [{"round": p.round, "plan": p.plan, "reason": p.reason}
                                               for p in state.plans], "finished": state.finished}
 

@@ -208,6 +208,9 @@ def stats_markdown(stats: dict) -> str:
     ]
     if stats.get("host_link_bytes_per_token"):
         rows.append(("CPU → GPU per token (host link)", f"{stats['host_link_bytes_per_token'] / 2**30:.2f} GiB"))
+    if stats.get("drafts_ahead"):
+        kept, made = stats["drafts_ahead"]
+        rows.append(("level-2 drafts made ahead, during level 3 (used)", f"{made} ({kept} used)"))
     if stats.get("warmup_s"):
         rows.append(("warm-up (CUDA graphs captured, not in decode time)", f"{stats['warmup_s']:.2f} s"))
     if stats.get("device"):

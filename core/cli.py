@@ -139,6 +139,8 @@ def _stats_line(s: Stats) -> str:
             "tokens/target forward")
     if s.method != "ar":
         line += f", acceptance L1 {s.level1_acceptance:.2f} L2 {s.level2_acceptance:.2f}"
+    if s.ahead_made:
+        line += f", {s.ahead_made} level-2 drafts made ahead ({s.ahead_kept} used)"
     if s.plans:
         line += f"; plans: {' then '.join(s.plans)}"
     return line

@@ -600,6 +600,9 @@ def test_comparison_summary_checks_token_identity_and_says_where_outputs_differ(
     table = stats_markdown(live_stats(tf))
     assert "decode: tokens / s | 5.00" in table and "decode: ms / token | 200.0" in table
     assert "prefill (cache of the previous run reused)" in table and "cuda:0 · bfloat16" in table
+    assert "drafts made ahead" not in table  # a row only where level 2 drafted ahead
+    tf.final_stats = run_stats(method="auto", tokens_per_s=5.0, ahead_made=12, ahead_kept=7)
+    assert "| level-2 drafts made ahead, during level 3 (used) | 12 (7 used) |" in stats_markdown(live_stats(tf))
 
 
 def test_throttle_limits_rate_but_lets_forced_updates_through() -> None:
