@@ -43,7 +43,8 @@ GREEDY_RUNS = [("triforce-model", {"method": "triforce", "drafter": "model"}),
                ("triforce-streaming", {"method": "triforce", "drafter": "model", "level2_cache": "streaming"}),
                ("auto", {"method": "auto"})]
 SAMPLED_RUNS = [("triforce-model", {"method": "triforce", "drafter": "model"}),
-                ("triforce-ngram", {"method": "triforce", "drafter": "ngram"}), ("auto", {"method": "auto"})]
+                ("triforce-ngram", {"method": "triforce", "drafter": "ngram"}), ("auto", {"method": "auto"}),
+                ("auto-no-ahead", {"method": "auto", "draft_ahead": "off"})]  # (offloaded only: on chip it is auto)
 
 
 def text_of(kind: str, engine: Engine, tokens: int) -> str:
@@ -70,7 +71,8 @@ def row(fin: Finished, chosen: list[PlanChosen] = ()) -> dict:
             "prefill_reused": s.prefill_reused, "level1_acceptance": s.level1_acceptance,
             "level2_acceptance": s.level2_acceptance, "tokens_per_target_forward": s.tokens_per_target_forward,
             "host_link_bytes_per_token": s.host_link_bytes / max(s.new_tokens, 1), "plans": s.plans,
-            "budget": s.settings.get("budget"), "drafter": s.drafter,
+            "budget": s.settings.get("budget"), "drafter": s.drafter, "ahead_made": s.ahead_made,
+            "ahead_kept": s.ahead_kept,
             "plan_log": [[c.round, c.plan, c.reason] for c in chosen], "warmup_s": s.warmup_s, "text": fin.text[:300]}
 
 
@@ -85,16 +87,18 @@ def sampled_row(engine: Engine, doc: str, instruction: str, settings: dict, repe
                                chosen=chosen), chosen))
     tokens = sum(r["new_tokens"] for r in rows)
     seconds = sum(r["new_tokens"] / r["tokens_per_s"] for r in rows)
-    keep = ("tokens_per_s", "level1_acceptance", "level2_acceptance", "plans", "plan_log")
+    keep = ("tokens_per_s", "level1_acceptance", "level2_acceptance", "plans", "plan_log", "ahead_made", "ahead_kept")
     return {**rows[0], "tokens_per_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
             "level1_acceptance": statistics.mean(r["level1_acceptance"] for r in rows),
             "level2_acceptance": statistics.mean(r["level2_acceptance"] for r in rows),
             "repeats": [{k: r[k] for k in keep} for r in rows]}
 
 
-def usable(runs: list[tuple[str, dict]], engine: Engine) -> list[tuple[str, dict]]:
-    """The runs an engine can make (the model drafter needs a draft model)."""
-    return [(name, c) for name, c in runs if engine.draft is not None or c.get("drafter") != "model"]
+def usable(runs: list[tuple[str, dict]], engine: Engine, base: dict) -> list[tuple[str, dict]]:
+    """The runs an engine can make (the model drafter needs a draft model) that differ in `base`'s regime (drafting
+    ahead is off on chip anyway)."""
+    return [(name, c) for name, c in runs if (engine.draft is not None or c.get("drafter") != "model")
+            and (base.get("offload") == "on" or "draft_ahead" not in c)]
 
 
 def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats: int = 1) -> dict:
@@ -105,7 +109,7 @@ def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats:
     out["greedy"]["ar"] = row(ar_greedy)
     out["sampled"]["ar"] = sampled_row(engine, doc, instruction, dict(method="ar", **base), repeats)
     identical = {}
-    for name, settings in usable(GREEDY_RUNS, engine):
+    for name, settings in usable(GREEDY_RUNS, engine, base):
         chosen: list[PlanChosen] = []
         fin = finish(engine, doc, instruction, GenerationConfig(greedy=True, **settings, **base), chosen=chosen)
         out["greedy"][name] = row(fin, chosen)
@@ -114,7 +118,7 @@ def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats:
             from core.compare import difference_note
             out["greedy"][name]["difference"] = difference_note(ar_greedy.token_ids, fin.token_ids,
                                                                 ar_greedy.stats.near_ties)
-    for name, settings in usable(SAMPLED_RUNS, engine):
+    for name, settings in usable(SAMPLED_RUNS, engine, base):
         out["sampled"][name] = sampled_row(engine, doc, instruction, {**settings, **base}, repeats)
     out["greedy_identical"] = identical
     out["near_ties_ar"] = len(ar_greedy.stats.near_ties)
@@ -135,7 +139,8 @@ def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) ->
     for name, run in runs.items():  # the fixed runs' acceptance at level 2 stands for a1 and a13 alike
         e.level1[name].a1, e.level1[name].a13 = prior(run["level1_acceptance"]), None
     ar = rate(AUTOREGRESSIVE, e)
-    top = best(candidates(list(runs), GenerationConfig().gamma1, AUTO_GAMMA2), e)
+    ahead = offloaded and torch.cuda.is_available()  # level 2 then drafts ahead (draft_ahead auto)
+    top = best(candidates(list(runs), GenerationConfig().gamma1, AUTO_GAMMA2), e, ahead)
     c = e.costs
     return {"level1_ms": {name: d.ms for name, d in e.level1.items()},
             "offered": {name: d.offered.rate for name, d in e.level1.items()}, "level2_ms": c.level2,
@@ -212,6 +217,8 @@ def summarise(data: dict, contexts: list[int]) -> dict:
                  for p in data.get(regime, {}).values()]
     real = {"onchip_speedup_30k": mean([p["sampled"]["auto"]["speedup"] for p in at["onchip"]]),
             "offload_speedup_30k": mean([p["sampled"]["auto"]["speedup"] for p in at["offload"]]),
+            "offload_no_ahead_speedup_30k": mean([p["sampled"].get("auto-no-ahead", {}).get("speedup")
+                                                  for p in at["offload"]]),
             "l2_acceptance_30k": mean([p["sampled"]["triforce-model"]["level2_acceptance"] for p in at["onchip"]]),
             "l1_acceptance_30k": mean([p["sampled"]["triforce-model"]["level1_acceptance"] for p in at["onchip"]]),
             "offload_ar_over_roofline": mean([a["ar_ms_per_token"] / a["roofline_ms"]
@@ -219,7 +226,9 @@ def summarise(data: dict, contexts: list[int]) -> dict:
             "greedy_identical_bf16": all(identical) if identical else None,
             "greedy_identical_fp32": data["oracle"]["triforce_equals_ar"] and data["oracle"]["auto_equals_ar"]
             if "oracle" in data else None}
-    planner = {"real_onchip_30k": real["onchip_speedup_30k"], "real_offload_30k": real["offload_speedup_30k"],
+    # only what this run measured: a part it left out keeps an earlier run's figure in summary.planner
+    speedups = {"real_onchip_30k": real["onchip_speedup_30k"], "real_offload_30k": real["offload_speedup_30k"]}
+    planner = {**{key: value for key, value in speedups.items() if value is not None},
                "choices": {f"real {regime} {key}": p["sampled"]["auto"]["plans"] for regime in at
                            for key, p in data.get(regime, {}).items() if key.endswith(f"@{longest}")}}
     return {"real": real, "planner": planner}
