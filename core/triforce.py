@@ -5,6 +5,7 @@ round (core.planner)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Generator, Iterator, Sequence
@@ -269,7 +270,12 @@ class TriForce:
     def measured(self) -> Estimates:
         """What the steps of each level took in this run and the acceptances it saw (a fixed hierarchy's too: the
         warm-up's offloaded runs, or a Compare click of method triforce, give method auto its first priors)."""
-        return self.planner.estimates
+        if self.planner.level2:
+            return self.planner.estimates
+        # Level 2 kept the whole prompt, as level 3 does, so level 3 accepted nearly all it drafted: that says nothing
+        # of a prompt retrieval must cut (the warm-up's short text had given a 30K-token document's first run a prior
+        # of 0.99, where it saw 0.95), so the next run keeps its default prior.
+        return dataclasses.replace(self.planner.estimates, a2=Estimates().a2)
 
     def draft(self, h: Hierarchy, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
               ) -> Generator[Event, None, Draft]:

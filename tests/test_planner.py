@@ -259,6 +259,19 @@ def test_a_fixed_triforce_run_gives_method_auto_the_acceptances_it_saw():
         assert abs(seen - default) > 0.1 and abs(learnt - seen) < abs(default - seen) / 2, (seen, learnt, default)
 
 
+def test_a_run_whose_budget_covered_the_prompt_leaves_no_level_2_acceptance_for_a_longer_one():
+    """Level 2 holding the whole prompt drafts as level 3 would decide: its acceptance there (near 1) is no prior
+    for a document retrieval must cut, which then starts from the default; a run that cut it does leave its own."""
+    engine, prompt = tiny_engine()
+    for budget, leaves in ((64, False), (CFG["budget"], True)):  # the 48-token prompt in budget, then cut to 8
+        cfg = GenerationConfig(**{**CFG, "max_new_tokens": 24, "budget": budget}, seed=0).validate()
+        with torch.no_grad():
+            stats = [e for e in engine.generate_ids(prompt, cfg) if isinstance(e, Finished)][0].stats
+        assert stats.level2_verified > 0
+        prior_a2 = engine.costs.estimates(False, 4 * len(prompt), False, budget, DRAFT).a2
+        assert (prior_a2.rate != Estimates().a2.rate) == leaves, (budget, stats.level2_acceptance, prior_a2)
+
+
 def test_prompt_lookup_drafts_where_it_gives_more_tokens_per_millisecond_than_the_draft_model():
     """The real Qwen pair offloaded at 30K: a pass over the cache 17.5 ms, a level-2 step 2.6 ms, a draft-model token
     1.2 ms accepted at 0.6; prompt lookup costs microseconds a token, proposes for half the tokens asked and is
