@@ -5,9 +5,8 @@ round (core.planner)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generator, Iterator, Sequence
 
 import torch
@@ -45,6 +44,11 @@ class Draft:
     level2_forwards: int = 0
     checks: list[tuple[int, int]] = field(default_factory=list)  # level 2's checks of level 1: (proposed, accepted)
     feature: torch.Tensor | None = None  # level 2's hidden state that produced the last token
+
+    def cost_with(self, other: Draft) -> Draft:
+        """The drafting both took: their times, tokens asked and forwards summed (no tokens)."""
+        return Draft(level1_s=self.level1_s + other.level1_s, level2_s=self.level2_s + other.level2_s,
+                     asked=self.asked + other.asked, level2_forwards=self.level2_forwards + other.level2_forwards)
 
 
 @dataclass
@@ -221,10 +225,9 @@ class TriForce:
                 yield event
             # the planner learns what the drafting this round did cost (ahead or not); the timeline shows what the
             # round waited on (drafting ahead ran during level 3's wait)
-            drafted = [spent, made.cost] if made is not None else [spent]
-            self.planner.observe(h.level1, sum(d.asked for d in drafted), sum(d.level1_s for d in drafted) * 1e3,
-                                 sum(d.level2_forwards for d in drafted), sum(d.level2_s for d in drafted) * 1e3,
-                                 n + 1, level3_ms, (sync_s + selection_s) * 1e3)
+            drafted = spent.cost_with(made.cost) if made is not None else spent
+            self.planner.observe(h.level1, drafted.asked, drafted.level1_s * 1e3, drafted.level2_forwards,
+                                 drafted.level2_s * 1e3, n + 1, level3_ms, (sync_s + selection_s) * 1e3)
             yield StepTiming(round_, spent.level1_s * 1e3, (spent.level2_s + sync_s) * 1e3, level3_s * 1e3,
                              selection_s * 1e3, accepted + 1)
             round_ += 1
@@ -275,7 +278,7 @@ class TriForce:
         # Level 2 kept the whole prompt, as level 3 does, so level 3 accepted nearly all it drafted: that says nothing
         # of a prompt retrieval must cut (the warm-up's short text had given a 30K-token document's first run a prior
         # of 0.99, where it saw 0.95), so the next run keeps its default prior.
-        return dataclasses.replace(self.planner.estimates, a2=Estimates().a2)
+        return replace(self.planner.estimates, a2=Estimates().a2)
 
     def draft(self, h: Hierarchy, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None
               ) -> Generator[Event, None, Draft]:
@@ -346,10 +349,7 @@ class TriForce:
         events: list[Event] = []
         after = _drain(self.draft_level2(seq, committed, round_, guess.feature, h.level1, h.gamma1, want,
                                          [*draft.tokens, *guess.tokens]), events)
-        cost = Draft(asked=after.asked, level1_s=guess.level1_s + after.level1_s,
-                     level2_s=guess.level2_s + after.level2_s,
-                     level2_forwards=guess.level2_forwards + after.level2_forwards)
-        return Ahead(h, guess.tokens[0], after, events, cost)
+        return Ahead(h, guess.tokens[0], after, events, guess.cost_with(after))
 
 
 def _drain(events: Generator[Event, None, Draft], into: list[Event]) -> Draft:
