@@ -30,6 +30,7 @@ from core import Engine, GenerationConfig
 from core.config import AUTO_GAMMA2
 from core.events import Finished, PlanChosen
 from core.planner import AUTOREGRESSIVE, best, candidates, prior, rate
+from core.triforce import drafts_ahead
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTRUCTIONS = {"code": "Explain what this code does, module by module.",
@@ -139,7 +140,7 @@ def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) ->
     for name, run in runs.items():  # the fixed runs' acceptance at level 2 stands for a1 and a13 alike
         e.level1[name].a1, e.level1[name].a13 = prior(run["level1_acceptance"]), None
     ar = rate(AUTOREGRESSIVE, e)
-    ahead = offloaded and torch.cuda.is_available()  # level 2 then drafts ahead (draft_ahead auto)
+    ahead = drafts_ahead(GenerationConfig().draft_ahead, offloaded, engine.target.device)
     top = best(candidates(list(runs), GenerationConfig().gamma1, AUTO_GAMMA2), e, ahead)
     c = e.costs
     return {"level1_ms": {name: d.ms for name, d in e.level1.items()},

@@ -63,6 +63,13 @@ class Ahead:
     cost: Draft  # the time and forwards it took, the guess's too (no tokens)
 
 
+def drafts_ahead(setting: str, streamed: bool, device: torch.device) -> bool:
+    """Whether level 2 drafts ahead under `setting` (GenerationConfig.draft_ahead): auto where level 3's pass waits
+    on copies from CPU memory to a GPU, and not under tensor parallelism, whose ranks must run their collectives in
+    one order."""
+    return setting == "on" or (setting == "auto" and streamed and device.type == "cuda" and parallel.ACTIVE is None)
+
+
 class Overlap:
     """Level 3 on a stream of its own, so that level 2 drafts ahead meanwhile: a GPU runs both at once, and a pass
     over a cache streamed from CPU memory mostly waits on its copies. Elsewhere the two run one after the other."""
@@ -124,11 +131,8 @@ class TriForce:
         self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
         self.auto = estimates is not None
         fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2)
-        # level 2 drafts ahead where level 3's pass waits on copies from CPU memory (not under tensor parallelism,
-        # whose ranks must run their collectives in one order)
         streamed = not target.cache.resident
-        self.ahead = cfg.draft_ahead == "on" or (cfg.draft_ahead == "auto" and streamed and parallel.ACTIVE is None
-                                                 and model.device.type == "cuda")
+        self.ahead = drafts_ahead(cfg.draft_ahead, streamed, model.device)
         self.overlap = Overlap(model.device)
         self.planner = Planner(estimates or Estimates(), list(drafters), cfg.gamma1, cfg.gamma2, streamed=streamed,
                                level2=self.retrieval.n_select < self.retrieval.index.num_chunks,
