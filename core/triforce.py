@@ -344,12 +344,22 @@ class TriForce:
         del draft.tokens[want:], draft.q[want:], draft.provenance[want:]
         return draft
 
+    def guess(self, seq: list[int], committed: int, tokens: list[int]) -> Draft:
+        """Level 2's most likely token after seq + tokens: the one level 3 most likely emits after accepting them."""
+        # A draft made after the guess is used only if level 3 emits the guess, which it does with probability
+        # p3(guess): the likeliest token is the best guess (a token drawn from p2 would be emitted with probability
+        # sum p2 * p3). Nothing verifies a guess, so choosing it leaves the output distribution as it is.
+        t0 = clock(self.graphs)
+        h2 = self.level2.states(seq, 1, committed, tokens)
+        token = int(self.repetition(self.level2.head(h2), seq, tokens)[0].argmax())
+        return Draft([token], feature=h2[0], level2_s=clock(self.graphs) - t0, level2_forwards=1)
+
     def draft_ahead(self, h: Hierarchy, seq: list[int], committed: int, draft: Draft, round_: int, want: int
                     ) -> Ahead:
         """While level 3 verifies `draft`: level 2's guess at the token level 3 emits after it, should it accept it
         all, and the next round's draft of `want` tokens after that guess. Exact like any draft: a round uses it
         only when seq grew by exactly draft + guess, and it is then what level 2 drafts after that sequence."""
-        guess = _drain(self.draft_level2(seq, committed, round_, draft.feature, "", 0, 1, draft.tokens), [])
+        guess = self.guess(seq, committed, draft.tokens)
         events: list[Event] = []
         after = _drain(self.draft_level2(seq, committed, round_, guess.feature, h.level1, h.gamma1, want,
                                          [*draft.tokens, *guess.tokens]), events)

@@ -91,3 +91,24 @@ def test_drafting_ahead_is_lossless_and_an_off_by_one_q_is_detected(monkeypatch,
         biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS, **ahead)
     p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
     assert p_biased < 1e-6, f"an off-by-one q of drafts made ahead not detected (p={p_biased:.2e})"
+
+
+def test_level_2_guesses_the_token_level_3_most_likely_emits(monkeypatch, one_thread):
+    """The next round's draft, made while level 3 verifies, follows level 2's guess at the token level 3 emits after
+    the draft; it is level 2's most likely token, not a draw (at temperature 2 a draw would miss it most times, and
+    a draft made after a token level 3 does not emit is thrown away)."""
+    engine, prompt = tiny_engine()
+    seen = []
+    guess = core.triforce.TriForce.guess
+
+    def recording(self, seq, committed, tokens):
+        made = guess(self, seq, committed, tokens)
+        seen.append((made.tokens[0], int(self.level2.logits(seq, 1, committed, tokens)[0].argmax())))
+        return made
+
+    monkeypatch.setattr(core.triforce.TriForce, "guess", recording)
+    with torch.no_grad():
+        emitted_pairs(engine, prompt, 6, max_new_tokens=8, gamma2=1, temperature=2.0, reselect="once",
+                      draft_ahead="on")
+    assert len(seen) >= 12
+    assert all(token == likeliest for token, likeliest in seen)
