@@ -195,12 +195,13 @@ def random_dynamic_cache(args: ModelArgs, length: int):
     return cache
 
 
-def random_retrieval(full: KVCache, ctx: int, ops: TorchOps, extra: int = 2048) -> tuple[ChunkIndex, KVCache]:
-    """A level-2 cache at budget 4096 (chunk 8) over the first ctx cached tokens, selected by a random query."""
+def random_retrieval(full: KVCache, ctx: int, ops: TorchOps, extra: int = 2048, budget: int = 4096
+                     ) -> tuple[ChunkIndex, KVCache]:
+    """A level-2 cache at `budget` (chunk 8) over the first ctx cached tokens, selected by a random query."""
     index = ChunkIndex.build(full, ctx, 8)
-    rcache = retrieval_cache(full, index, 4096, extra)
+    rcache = retrieval_cache(full, index, budget, extra)
     queries = torch.randn(full.k.shape[0], full.k.shape[1], full.k.shape[-1], device=DEV)
-    gather_selection(full, index, select_chunks(index, queries, chunks_to_keep(index, 4096)), rcache, ops)
+    gather_selection(full, index, select_chunks(index, queries, chunks_to_keep(index, budget)), rcache, ops)
     return index, rcache
 
 

@@ -2,7 +2,8 @@
 4096) of a model with random weights, launched eagerly and replayed from a CUDA graph, beside the step's wall time:
 `profile` at the --shape (Llama-2-7B) and the longest --contexts, `profile_small` at the SmolLM2-135M shape and the
 longest --real-contexts; `profile_offload`: an offloaded AR step at the Qwen2.5-1.5B shape at each --real-contexts,
-its host time beside its copies.
+its host time beside its copies; `profile_draft`: a level-2 drafting step at that shape (budget 8192) taken apart
+(graph replay, LM head, sampling, draw) and its projections' GEMVs against cuBLAS.
 
 python -m bench.gpu_profile [--parts profile profile_small] [--contexts 122880] [--real-contexts 131072]
 TRIFORCE_GEMV=0 swaps the Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>-<date>.json (or --out).
@@ -17,8 +18,8 @@ import time
 
 import torch
 
-from bench.common import (DEV, SHAPES, SMOLLM2_135M, GpuResults, ar_step_ms, fill_random, free, full_cache, gpu_main,
-                          random_model, random_retrieval, shape_key, sync_ms)
+from bench.common import (BF16, DEV, SHAPES, SMOLLM2_135M, GpuResults, ar_step_ms, fill_random, free, full_cache,
+                          gpu_main, random_model, random_retrieval, shape_key, sync_ms)
 from core.cuda_graphs import Graphs
 from core.levels import Level
 from core.offload import OffloadedKVCache
@@ -121,7 +122,83 @@ def profile_offload_part(args: argparse.Namespace, results: GpuResults) -> None:
     results.data["profile_offload_qwen25_15b"] = [profile_offload(c, SHAPES["qwen25_15b"]) for c in args.real_contexts]
 
 
-PARTS = {"profile": profile_part, "profile_small": profile_small_part, "profile_offload": profile_offload_part}
+def profile_draft(ctx: int, shape: dict, budget: int = 8192, steps: int = 8) -> dict:
+    """A level-2 drafting step at a real shape taken apart, as TriForce.draft_level2 takes it one token at a time:
+    the graph replay alone, then with the LM head, the sampling distributions (greedy, and temperature 0.6 / top-p
+    0.9) and the draw that brings the token to the host; a profile of `steps` sampled steps (wall against device
+    time, top kernels and host operators); each projection's GEMV against cuBLAS from a CUDA graph."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    from triton.testing import do_bench_cudagraph
+    from core.config import GenerationConfig
+    from core.sampling import distributions, speculative_verify
+    model = random_model(shape)
+    full = full_cache(model, ctx + 2048)
+    fill_random(full, ctx)
+    prompt = [100 + i % 30000 for i in range(ctx)]
+    gen = torch.Generator(DEV).manual_seed(0)
+    out: dict = {"context": ctx, "budget": budget}
+    with torch.inference_mode():
+        _, rcache = random_retrieval(full, ctx, model.ops, budget=budget)
+        level = Level(model, rcache, prompt, Graphs(), drafting=True)
+        seq = prompt
+        cfgs = {"greedy": GenerationConfig(temperature=0.0), "sampled": GenerationConfig(temperature=0.6, top_p=0.9)}
+        stages = {
+            "replay": lambda: level.states(seq, 1, len(seq), [7]),
+            "replay_head": lambda: level.head(level.states(seq, 1, len(seq), [7])),
+        }
+        for mode, cfg in cfgs.items():
+            stages[f"{mode}_distributions"] = lambda cfg=cfg: distributions(
+                level.head(level.states(seq, 1, len(seq), [7])), cfg)
+            stages[f"{mode}_step"] = lambda cfg=cfg: speculative_verify(
+                [], None, distributions(level.head(level.states(seq, 1, len(seq), [7])), cfg), gen)
+        out["stage_ms"] = {name: sync_ms(fn, 30, 5) for name, fn in stages.items()}
+        print(out["stage_ms"], flush=True)
+        step = stages["sampled_step"]
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3 / steps
+        events = prof.key_averages()
+        kernels = [{"op": e.key[:80], "us_per_step": e.self_device_time_total / steps, "per_step": e.count / steps}
+                   for e in events if getattr(e, "self_device_time_total", 0) > 0]
+        kernels.sort(key=lambda r: -r["us_per_step"])
+        host = [{"op": e.key[:80], "cpu_us_per_step": e.self_cpu_time_total / steps, "per_step": e.count / steps}
+                for e in events]
+        host.sort(key=lambda r: -r["cpu_us_per_step"])
+        out["sampled_profile"] = {"wall_ms": wall, "device_ms": sum(k["us_per_step"] for k in kernels) / 1e3,
+                                  "top_device": kernels[:16], "top_host": host[:12]}
+        print(json.dumps(out["sampled_profile"], indent=0)[:3000], flush=True)
+        a = model.args
+        q_rows = a.n_heads * a.head_dim + 2 * a.n_kv_heads * a.head_dim
+        shapes = {"qkv": (q_rows, a.dim), "o": (a.dim, a.n_heads * a.head_dim), "gate_up": (2 * a.intermediate_size,
+                  a.dim), "down": (a.dim, a.intermediate_size), "lm_head": (a.vocab_size, a.dim)}
+        gemvs = {}
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=DEV, dtype=BF16)
+            for m in (1, 8):
+                x = torch.randn(m, k, device=DEV, dtype=BF16)
+                tri = do_bench_cudagraph(lambda: model.ops.k.gemv(x, w, None, None), rep=50)
+                cub = do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w), rep=50)
+                gemvs[f"{name}_m{m}"] = {"n": n, "k": k, "triton_us": tri * 1e3, "cublas_us": cub * 1e3,
+                                         "roofline_us": n * k * 2 / 4.8e12 * 1e6}
+            del w
+        out["gemv"] = gemvs
+        print(json.dumps(gemvs, indent=0), flush=True)
+    del level, rcache, full, model
+    free()
+    return out
+
+
+def profile_draft_part(args: argparse.Namespace, results: GpuResults) -> None:
+    results.data["profile_draft_qwen25_15b"] = profile_draft(args.real_contexts[-1], SHAPES["qwen25_15b"])
+
+
+PARTS = {"profile": profile_part, "profile_small": profile_small_part, "profile_offload": profile_offload_part,
+         "profile_draft": profile_draft_part}
 
 if __name__ == "__main__":
     gpu_main(__doc__, [sys.modules[__name__]])

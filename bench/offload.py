@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from bench.common import (DOCS, LLAMA2_7B, LLAMA31_8B, LLAMA32_1B, LLAMA_68M, RESULTS, environment, merge_summary,
                           random_model, save)
 from core import Engine, GenerationConfig
-from core.events import Finished, StepTiming
+from core.events import Finished, PlanChosen, StepTiming
 from core.kvcache import pinned_empty
 from core.offload import OffloadedKVCache
 from core.ops import TORCH
@@ -73,11 +73,14 @@ def document(tok, tokens: int) -> str:
 def run(engine: Engine, doc: str, cfg: GenerationConfig) -> dict:
     """One generation: its stats and the summed per-level times of its rounds."""
     levels = dict(level1_ms=0.0, level2_ms=0.0, level3_ms=0.0, selection_ms=0.0)
-    fin = None
+    fin, chosen, rounds = None, [], []
     for event in engine.generate(doc, INSTRUCTION, cfg):
         if isinstance(event, StepTiming):
             for key in levels:
                 levels[key] += getattr(event, key)
+            rounds.append([round(event.level2_ms, 1), round(event.level3_ms, 1), event.tokens])
+        elif isinstance(event, PlanChosen):
+            chosen.append([event.round, event.plan, event.reason])
         elif isinstance(event, Finished):
             fin = event
     s = fin.stats
@@ -87,8 +90,10 @@ def run(engine: Engine, doc: str, cfg: GenerationConfig) -> dict:
            "host_link_gb_per_token": s.host_link_bytes / s.new_tokens / 1e9,
            "level1_acceptance": s.level1_acceptance, "level2_acceptance": s.level2_acceptance,
            "tokens_per_target_forward": s.tokens_per_target_forward, "settings": s.settings, "plans": s.plans,
+           "plan_log": chosen, "ahead_made": s.ahead_made, "ahead_kept": s.ahead_kept,
+           "rounds": rounds,  # per round: level-2 and level-3 ms (what the round waited on), tokens emitted
            **{k: v / max(s.new_tokens, 1) for k, v in levels.items()}, "token_ids": fin.token_ids}
-    print(json.dumps({k: v for k, v in out.items() if k not in ("token_ids", "settings")}), flush=True)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("token_ids", "settings", "rounds")}), flush=True)
     return out
 
 
