@@ -74,6 +74,7 @@ def run(engine: Engine, doc: str, cfg: GenerationConfig) -> dict:
     """One generation: its stats and the summed per-level times of its rounds."""
     levels = dict(level1_ms=0.0, level2_ms=0.0, level3_ms=0.0, selection_ms=0.0)
     fin, chosen, rounds = None, [], []
+    retries = allocator_retries()
     for event in engine.generate(doc, INSTRUCTION, cfg):
         if isinstance(event, StepTiming):
             for key in levels:
@@ -92,9 +93,17 @@ def run(engine: Engine, doc: str, cfg: GenerationConfig) -> dict:
            "tokens_per_target_forward": s.tokens_per_target_forward, "settings": s.settings, "plans": s.plans,
            "plan_log": chosen, "ahead_made": s.ahead_made, "ahead_kept": s.ahead_kept,
            "rounds": rounds,  # per round: level-2 and level-3 ms (what the round waited on), tokens emitted
+           # frees of the allocator's cached blocks to retry an allocation at the memory limit, each a device-wide
+           # synchronisation (it would stall level 2 drafting ahead until level 3's pass ends)
+           "allocator_retries": allocator_retries() - retries,
            **{k: v / max(s.new_tokens, 1) for k, v in levels.items()}, "token_ids": fin.token_ids}
     print(json.dumps({k: v for k, v in out.items() if k not in ("token_ids", "settings", "rounds")}), flush=True)
     return out
+
+
+def allocator_retries() -> int:
+    """How often the CUDA caching allocator has freed its cached blocks to retry an allocation (0 without CUDA)."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
 
 
 def projected_ms(row: dict, bw: float, to: float = PCIE4_GB_S) -> float:
