@@ -141,10 +141,11 @@ def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) ->
         e.level1[name].a1, e.level1[name].a13 = prior(run["level1_acceptance"]), None
     ar = rate(AUTOREGRESSIVE, e)
     ahead = drafts_ahead(GenerationConfig().draft_ahead, offloaded, engine.target.device)
-    top = best(candidates(list(runs), GenerationConfig().gamma1, AUTO_GAMMA2), e, ahead)
+    top = best(candidates(list(runs), GenerationConfig().gamma1, AUTO_GAMMA2, ahead=ahead), e)
     c = e.costs
     return {"level1_ms": {name: d.ms for name, d in e.level1.items()},
             "offered": {name: d.offered.rate for name, d in e.level1.items()}, "level2_ms": c.level2,
+            "level2_ahead_ms": c.level2_ahead,
             "overhead_ms": c.overhead, "level3_ms": {str(k): v for k, v in sorted(c.level3.items())},
             "a1": {name: run["level1_acceptance"] for name, run in runs.items()},
             "a2": runs["model"]["level2_acceptance"], "best_plan": top[0].name if top else None,

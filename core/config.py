@@ -131,7 +131,8 @@ class GenerationConfig:
                            choices=("auto", "on", "off"))
     draft_ahead: str = setting("auto", "level 2 drafts the next round while level 3 verifies this one, kept when "
                                "level 3 accepts every draft and then emits level 2's guess (auto: when the full cache "
-                               "streams from CPU memory to a GPU, which then waits on copies)", label="Draft ahead",
+                               "streams from CPU memory to a GPU, which then waits on copies; method auto then weighs "
+                               "each plan with and without it)", label="Draft ahead",
                                choices=("auto", "on", "off"))
 
     def validate(self) -> GenerationConfig:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence, TypeVar
 
 from core.events import verified
@@ -46,21 +46,24 @@ CARRIED_WEIGHT = 16.0
 class Hierarchy:
     """The levels a round uses: `level1` names the drafter that drafts ("": none), `level2` (the target on the
     retrieval cache) checks level 1 and drafts for level 3; `gamma1` level-1 tokens per level-2 check, `gamma2`
-    drafted tokens per level-3 check (0: autoregressive)."""
+    drafted tokens per level-3 check (0: autoregressive); `ahead`: level 2 drafts the next round while level 3
+    verifies this one (TriForce.draft_ahead)."""
 
     level1: str
     level2: bool
     gamma1: int = 0
     gamma2: int = 0
+    ahead: bool = False
 
     @property
     def name(self) -> str:
         if not self.gamma2:
             return "autoregressive"
         by = f"{LEVEL1_NAMES.get(self.level1, self.level1)}, " if self.level1 else ""
+        then = ", drafting ahead" if self.ahead else ""
         if self.level1 and self.level2:
-            return f"levels 1 → 2 → 3 ({by}γ1 {self.gamma1}, γ2 {self.gamma2})"
-        return f"levels {1 if self.level1 else 2} → 3 ({by}γ {self.gamma2})"
+            return f"levels 1 → 2 → 3 ({by}γ1 {self.gamma1}, γ2 {self.gamma2}{then})"
+        return f"levels {1 if self.level1 else 2} → 3 ({by}γ {self.gamma2}{then})"
 
 
 AUTOREGRESSIVE = Hierarchy("", False)
@@ -106,8 +109,9 @@ RECENT = 9
 @dataclass
 class Costs:
     """Measured milliseconds of levels 2 and 3 (None until seen): a level-2 forward, a level-3 forward by its number
-    of new tokens, and the per-round overhead of keeping level 2's cache in step. Each is the low median of its
-    RECENT latest samples: `samples` holds them by figure name, `level3_samples` by rows."""
+    of new tokens, the per-round overhead of keeping level 2's cache in step, and a level-2 forward made while level
+    3's pass runs beside it (drafting ahead: the two share the device). Each is the low median
+    of its RECENT latest samples: `samples` holds them by figure name, `level3_samples` by rows."""
 
     level2: float | None = None
     level3: dict[int, float] = field(default_factory=dict)
@@ -115,6 +119,7 @@ class Costs:
     samples: dict[str, deque] = field(default_factory=dict, repr=False)
     level3_samples: dict[int, deque] = field(default_factory=dict, repr=False)
     borrowed: bool = False  # level3 was measured at another prompt length: its first measurement here rescales it
+    level2_ahead: float | None = None  # until measured, a plan drafting ahead expects level 2's own speed
 
     def verify(self, rows: int) -> float | None:
         """A level-3 forward over `rows` new tokens: measured, else linear through the nearest measured sizes, or
@@ -130,15 +135,19 @@ class Costs:
         return max(self.level3[a], self.level3[a] + (self.level3[b] - self.level3[a]) * (rows - a) / (b - a))
 
     def observe(self, level2_forwards: int, level2_ms: float, level3_rows: int, level3_ms: float,
-                overhead_ms: float) -> None:
-        """One round's measurements: level 2's time for its forwards, the level-3 forward over `level3_rows` new
-        tokens, and the round's overhead. A step size's first use may pay one-time work (a kernel module loaded, a
-        cuBLAS heuristic, an allocation: 0.2 s once on a 16-row step of the real pair offloaded, twelve times a pass),
-        so its first sample stands only where the other sizes do not predict it (by interpolation, or beyond the
-        largest); else the prediction holds until a second sample, of two the lower, replaces it. Taken as it came,
-        that one sample had priced the size, and every larger one extrapolated from it, out of the plans for good."""
+                overhead_ms: float, ahead_forwards: int = 0, ahead_ms: float = 0.0) -> None:
+        """One round's measurements: level 2's time for its forwards (those it drafted ahead, beside level 3's pass,
+        apart), the level-3 forward over `level3_rows` new tokens, and the round's overhead. A step size's first use
+        may pay one-time work (a kernel module loaded, a cuBLAS heuristic, an allocation: 0.2 s once on a 16-row step
+        of the real pair offloaded, twelve times a pass), so its first sample stands only where the other sizes do not
+        predict it (by interpolation, or beyond the largest); else the prediction holds until a second sample, of two
+        the lower, replaces it. Taken as it came, that one sample had priced the size, and every larger one
+        extrapolated from it, out of the plans for good."""
         if level2_forwards:
             self.level2 = _sample(self.samples, "level2", level2_ms / level2_forwards)
+        if ahead_forwards:
+            self.level2_ahead = _sample(self.samples, "level2_ahead", ahead_ms / ahead_forwards)
+        if level2_forwards or ahead_forwards:
             self.overhead = _sample(self.samples, "overhead", overhead_ms)
         if self.borrowed and (then := self.verify(level3_rows)):  # a longer prompt scales every size alike
             self.level3 = {rows: ms * level3_ms / then for rows, ms in self.level3.items()}
@@ -151,7 +160,7 @@ class Costs:
 
     def figures(self) -> list[float]:
         """Every cost measured, in milliseconds."""
-        return [ms for ms in (self.level2, *self.level3.values()) if ms is not None]
+        return [ms for ms in (self.level2, self.level2_ahead, *self.level3.values()) if ms is not None]
 
 
 @dataclass
@@ -250,7 +259,7 @@ class CostBook:
         levels, far = self._nearest(self.levels, run)
         levels = levels or Costs()
         e = Estimates(copy.deepcopy(Costs(levels.level2, level3, levels.overhead, {} if far else levels.samples,
-                                          own.level3_samples, borrowed)))
+                                          own.level3_samples, borrowed, levels.level2_ahead)))
         seen, far = self._nearest(self.acceptance, run)
         if (a2 := (seen or {}).get("a2")) is not None:
             e.a2 = carried(a2, far)
@@ -273,8 +282,8 @@ class CostBook:
         full.level3.update(costs.level3)
         full.level3_samples.update(copy.deepcopy(costs.level3_samples))
         if costs.level2 is not None:
-            self.levels[run] = Costs(costs.level2, overhead=costs.overhead,
-                                     samples=copy.deepcopy(costs.samples))  # level 3 lives in self.level3
+            self.levels[run] = Costs(costs.level2, overhead=costs.overhead, samples=copy.deepcopy(costs.samples),
+                                     level2_ahead=costs.level2_ahead)  # level 3 lives in self.level3
         if e.a2.verified > PRIOR_WEIGHT:  # observed, not a prior
             self.acceptance[run] = {"a2": copy.copy(e.a2)}
         for name, d in e.level1.items():
@@ -323,9 +332,8 @@ class Estimates:
     level1: dict[str, Drafting] = field(default_factory=dict)
 
 
-def rate(h: Hierarchy, e: Estimates, ahead: bool = False) -> float | None:
-    """Expected tokens per millisecond of `h` (None while a cost it needs is unmeasured); `ahead`: level 2 drafts
-    the next round while level 3 verifies (TriForce.draft_ahead), on a device that runs the two at once."""
+def rate(h: Hierarchy, e: Estimates) -> float | None:
+    """Expected tokens per millisecond of `h` (None while a cost it needs is unmeasured)."""
     c = e.costs
     verify = c.verify(h.gamma2 + 1)
     d = e.level1.get(h.level1)
@@ -337,20 +345,24 @@ def rate(h: Hierarchy, e: Estimates, ahead: bool = False) -> float | None:
         per_forward = expected_tokens(d.a1.rate, d.offered.rate * h.gamma1) if d else 1.0
         forward = c.level2 + (h.gamma1 * d.ms if d else 0.0)
         drafting = h.gamma2 * forward / per_forward
-        if not ahead:
+        if not h.ahead:
             return expected_tokens(e.a2.rate, h.gamma2) / (drafting + verify + c.overhead)
         # While level 3 verifies, level 2 guesses the token level 3 will emit after the draft (one forward) and drafts
-        # the next round after it: that draft stands when level 3 accepts every draft and then emits the guess (about
-        # as likely as accepting one draft more), so a round drafts for itself only otherwise.
+        # the next round after it, at the speed it drafts beside level 3's pass: that draft stands when level 3
+        # accepts every draft and then emits the guess (about as likely as accepting one draft more), so a round
+        # drafts for itself, alone, only otherwise.
+        beside = c.level2_ahead if c.level2_ahead is not None else c.level2
+        ahead = (beside + drafting * (beside + (h.gamma1 * d.ms if d else 0.0)) / forward)
         kept = e.a2.rate ** (h.gamma2 + 1)
-        round_ms = (1.0 - kept) * drafting + max(verify, c.level2 + drafting) + c.overhead
+        round_ms = (1.0 - kept) * drafting + max(verify, ahead) + c.overhead
         return expected_tokens(e.a2.rate, h.gamma2) / round_ms
     return expected_tokens((d.a13 or d.a1).rate, d.offered.rate * h.gamma2) / (h.gamma2 * d.ms + verify)
 
 
-def candidates(drafters: Sequence[str], gamma1_max: int, gamma2_max: int, level2: bool = True) -> list[Hierarchy]:
+def candidates(drafters: Sequence[str], gamma1_max: int, gamma2_max: int, level2: bool = True, ahead: bool = False
+               ) -> list[Hierarchy]:
     """The hierarchies and γs a run weighs: level 1 by each of its drafters, level 2 only where its cache leaves part
-    of the prompt out."""
+    of the prompt out, each level-2 plan also drafting ahead where level 2 can (`ahead`)."""
     gammas = [g for g in GAMMAS if g < gamma2_max] + [gamma2_max]
     out = [AUTOREGRESSIVE]
     if level2:
@@ -359,12 +371,12 @@ def candidates(drafters: Sequence[str], gamma1_max: int, gamma2_max: int, level2
         out += [Hierarchy(name, False, 0, g) for g in gammas]
         if level2:
             out += [Hierarchy(name, True, g1, g2) for g1 in range(1, gamma1_max + 1) for g2 in gammas]
-    return out
+    return out + ([replace(h, ahead=True) for h in out if h.level2] if ahead else [])
 
 
-def best(options: list[Hierarchy], e: Estimates, ahead: bool = False) -> tuple[Hierarchy, float] | None:
+def best(options: list[Hierarchy], e: Estimates) -> tuple[Hierarchy, float] | None:
     """The option with the highest expected rate, and that rate (None while no option's rate is known)."""
-    rated = [(r, h) for h in options if (r := rate(h, e, ahead)) is not None]
+    rated = [(r, h) for h in options if (r := rate(h, e)) is not None]
     return max(rated, key=lambda x: x[0])[::-1] if rated else None
 
 
@@ -387,7 +399,7 @@ class Planner:
     gamma2_max: int
     streamed: bool = False
     level2: bool = True
-    ahead: bool = False  # level 2 drafts the next round while level 3 verifies, at once (see rate)
+    ahead: bool = False  # level 2 can draft the next round while level 3 verifies, at once: plans that do are weighed
     fixed: Hierarchy | None = None  # the hierarchy of every round (method triforce): the planner then only records
     current: Hierarchy | None = None
     rounds: int = 0  # in the current plan
@@ -399,7 +411,7 @@ class Planner:
     options: list[Hierarchy] = field(init=False)  # the candidates it weighs
 
     def __post_init__(self):
-        self.options = candidates(self.drafters, self.gamma1_max, self.gamma2_max, self.level2)
+        self.options = candidates(self.drafters, self.gamma1_max, self.gamma2_max, self.level2, self.ahead)
         for name in self.drafters:
             self.estimates.level1.setdefault(name, Drafting())
 
@@ -415,7 +427,7 @@ class Planner:
                                              "(level 2 would read what level 3 reads) and no level-1 drafter is there")
         first = self.drafters[0] if self.drafters else ""
         fullest = Hierarchy(first, self.level2, self.gamma1_max if first and self.level2 else 0,
-                            min(6, self.gamma2_max))
+                            min(6, self.gamma2_max), self.ahead and self.level2)
         if (self.level2 and c.level2 is None) or (first and self.estimates.level1[first].ms is None) \
                 or not set(c.level3) - {1}:
             return self._set(fullest, "measuring what each level costs")
@@ -423,12 +435,12 @@ class Planner:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
         fresh = self.current is None or self.reason.startswith("measuring")  # else due (the first line)
         self.since_weighed_ms = 0.0
-        h, r = best(self.options, self.estimates, self.ahead)
+        h, r = best(self.options, self.estimates)
         ar = self._autoregressive()
         # a drafting plan must clearly beat AR to be taken; out of switches, only a way back to AR is left
         if (h.gamma2 and r < SWITCH_GAIN * ar) or (not fresh and self.switches >= MAX_SWITCHES):
             h, r = AUTOREGRESSIVE, ar
-        now = rate(self.current, self.estimates, self.ahead) if self.current else None
+        now = rate(self.current, self.estimates) if self.current else None
         # another plan must be clearly faster to replace the current one, unless the current one is now expected
         # slower than autoregressive decoding (which the planner never knowingly stays)
         if fresh or now is None or (h != self.current and (r > SWITCH_GAIN * now or now < ar)):
@@ -445,7 +457,7 @@ class Planner:
         (drafts rejected that its prior expected accepted)."""
         spare = self.switches < MAX_SWITCHES
         if self.rounds >= MIN_ROUNDS and self.current.gamma2 and self.expected:
-            now = rate(self.current, self.estimates, self.ahead) or 0.0
+            now = rate(self.current, self.estimates) or 0.0
             if now < self._autoregressive() or (spare and SWITCH_GAIN * now < self.expected):
                 return True
         settled = self.rounds >= MIN_ROUNDS or self.since_weighed_ms >= SETTLE_MS
@@ -463,7 +475,9 @@ class Planner:
         parts = [f"expected {r / ar:.2f}× autoregressive" if ar else ""]
         full = c.verify(1)
         if c.level2 is not None and full:
-            parts.append(f"a level-2 step costs {c.level2 / full:.0%} of a full one")
+            beside = f" ({c.level2_ahead / full:.0%} beside level 3's pass)" \
+                if h.ahead and c.level2_ahead is not None else ""
+            parts.append(f"a level-2 step costs {c.level2 / full:.0%} of a full one{beside}")
         d = e.level1.get(h.level1 or (self.drafters[0] if self.drafters else ""))
         if d is not None and d.ms is not None and full:
             parts.append(f"a level-1 token {d.ms / full:.0%}")
@@ -482,14 +496,16 @@ class Planner:
         return h
 
     def observe(self, level1: str, level1_asked: int, level1_ms: float, level2_forwards: int, level2_ms: float,
-                level3_rows: int, level3_ms: float, overhead_ms: float) -> None:
+                level3_rows: int, level3_ms: float, overhead_ms: float, ahead_forwards: int = 0,
+                ahead_ms: float = 0.0) -> None:
         """One round's measured costs: drafter `level1`'s time for the tokens asked of it, then as Costs.observe
-        takes them."""
+        takes them (`ahead_*`: level 2's forwards made beside level 3's pass, which the round did not wait on)."""
         self.rounds += 1
         self.since_weighed_ms += level1_ms + level2_ms + level3_ms + overhead_ms
         if level1_asked:
             self.estimates.level1[level1].timed(level1_asked, level1_ms)
-        self.estimates.costs.observe(level2_forwards, level2_ms, level3_rows, level3_ms, overhead_ms)
+        self.estimates.costs.observe(level2_forwards, level2_ms, level3_rows, level3_ms, overhead_ms, ahead_forwards,
+                                     ahead_ms)
 
     def level1_checked(self, drafter: str, by: int, asked: int, proposed: int, accepted: int) -> None:
         """Drafter `drafter` was asked for `asked` tokens, proposed `proposed`, and level `by` (2, or 3 directly)

@@ -130,9 +130,9 @@ class TriForce:
         model = target.model
         self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
         self.auto = estimates is not None
-        fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2)
         streamed = not target.cache.resident
         self.ahead = drafts_ahead(cfg.draft_ahead, streamed, model.device)
+        fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2, self.ahead)
         self.overlap = Overlap(model.device)
         self.planner = Planner(estimates or Estimates(), list(drafters), cfg.gamma1, cfg.gamma2, streamed=streamed,
                                level2=self.retrieval.n_select < self.retrieval.index.num_chunks,
@@ -162,9 +162,9 @@ class TriForce:
             h = self.planner.choose()
             if self.auto:  # timings differ between tensor-parallel ranks: all follow rank 0's choice
                 names = ["", *self.drafters]
-                mine = (names.index(h.level1), h.level2, h.gamma1, h.gamma2)
+                mine = (names.index(h.level1), h.level2, h.gamma1, h.gamma2, h.ahead)
                 if (agreed := agree(*mine)) != mine:
-                    h = Hierarchy(names[agreed[0]], bool(agreed[1]), agreed[2], agreed[3])
+                    h = Hierarchy(names[agreed[0]], bool(agreed[1]), agreed[2], agreed[3], bool(agreed[4]))
             if self.auto and h != shown:
                 shown = h
                 self.plans.append(h.name)
@@ -191,7 +191,7 @@ class TriForce:
             after = min(h.gamma2, self.cfg.max_new_tokens - len(self.out.ids) - n - 1)
             made = None  # the next round's draft, if level 2 drafts ahead during this verification
             if n or reselect:
-                ahead = self.ahead and h.level2 and not reselect and after > 0
+                ahead = h.ahead and not reselect and after > 0
                 with self.overlap.level3() if ahead else contextlib.nullcontext():
                     h3 = target.states(seq, n + 1, committed, draft.tokens, record=n + 1 if reselect else 0)
                 if ahead:
@@ -227,11 +227,13 @@ class TriForce:
                 event = retrieval.select(target.queries, accepted, round_ + 1, committed + accepted)
                 selection_s = event.seconds
                 yield event
-            # the planner learns what the drafting this round did cost (ahead or not); the timeline shows what the
-            # round waited on (drafting ahead ran during level 3's wait)
-            drafted = spent.cost_with(made.cost) if made is not None else spent
-            self.planner.observe(h.level1, drafted.asked, drafted.level1_s * 1e3, drafted.level2_forwards,
-                                 drafted.level2_s * 1e3, n + 1, level3_ms, (sync_s + selection_s) * 1e3)
+            # the planner learns what the drafting this round did cost, level 2's alone and beside level 3's pass
+            # apart; the timeline shows what the round waited on (drafting ahead ran during level 3's wait)
+            beside = made.cost if made is not None else Draft()
+            drafted = spent.cost_with(beside)
+            self.planner.observe(h.level1, drafted.asked, drafted.level1_s * 1e3, spent.level2_forwards,
+                                 spent.level2_s * 1e3, n + 1, level3_ms, (sync_s + selection_s) * 1e3,
+                                 beside.level2_forwards, beside.level2_s * 1e3)
             yield StepTiming(round_, spent.level1_s * 1e3, (spent.level2_s + sync_s) * 1e3, level3_s * 1e3,
                              selection_s * 1e3, accepted + 1)
             round_ += 1

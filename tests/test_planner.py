@@ -4,6 +4,7 @@ gain), and exactness while it switches hierarchies round by round (greedy token-
 sampled distribution the target's)."""
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,15 +64,40 @@ def test_drafting_ahead_hides_level_2_behind_a_streamed_verification_as_often_as
         e = Estimates(Costs(2.0, {13: 17.0}), prior(a2))
         tokens = expected_tokens(a2, 12)
         assert rate(h, e) == pytest.approx(tokens / 41.0)
-        assert rate(h, e, ahead=True) == pytest.approx(tokens / ((1 - a2 ** 13) * 24.0 + 26.0))
+        assert rate(replace(h, ahead=True), e) == pytest.approx(tokens / ((1 - a2 ** 13) * 24.0 + 26.0))
     # with a short draft the verification is the longer: rounds whose draft was made ahead cost one pass alone
-    assert rate(Hierarchy("", True, 0, 4), Estimates(Costs(2.0, {5: 17.0}), prior(1.0)), ahead=True) == \
+    assert rate(Hierarchy("", True, 0, 4, ahead=True), Estimates(Costs(2.0, {5: 17.0}), prior(1.0))) == \
         pytest.approx(5 / 17.0)
     # drafting ahead, the best plan expects more and drafts less a round: a draft made ahead stands only when level 3
     # accepted all of the one before, less likely the longer it is
     e = Estimates(Costs(2.0, {1: 16.0, 32: 18.0}), prior(0.95))
-    (ahead, r_ahead), (plain, r_plain) = best(candidates([], 2, 31), e, ahead=True), best(candidates([], 2, 31), e)
-    assert r_ahead > r_plain and ahead.gamma2 < plain.gamma2
+    (ahead, r_ahead), (plain, r_plain) = best(candidates([], 2, 31, ahead=True), e), best(candidates([], 2, 31), e)
+    assert ahead.ahead and r_ahead > r_plain and ahead.gamma2 < plain.gamma2
+
+
+def test_drafting_ahead_is_weighed_with_what_level_2_costs_beside_level_3s_pass():
+    """Level 3's pass streams a 7B-shape cache for 1.27 s whatever it verifies; a level-2 forward alone costs 5 ms.
+    Beside the pass at that speed, long drafts made ahead hide behind it; if the pass slows level 2 twenty-fold (it
+    shares the device), drafting ahead 31 tokens would outlast the pass, and the planner drafts
+    after the pass instead, still at γ2 31: the pass, not the drafting, is what a round costs."""
+    def costs(beside: float | None) -> Estimates:
+        c = Costs(5.0, {13: 1270.0, 32: 1280.0})
+        c.level2_ahead = beside
+        return Estimates(c, Estimate(100.0, 98.0))
+
+    options = candidates([], 2, 31, ahead=True)
+    for beside in (None, 5.0):  # unmeasured, drafting ahead is expected at level 2's own speed
+        h, _ = best(options, costs(beside))
+        assert h.ahead and h.gamma2 == 31
+    h, r = best(options, costs(100.0))
+    assert not h.ahead and h.gamma2 == 31
+    # always drafting ahead, the best it could do is short drafts that the pass still hides: γ2 12, half the rate
+    only_ahead, r_ahead = best([h for h in options if h.ahead], costs(100.0))
+    assert only_ahead.gamma2 == 12 and r > 1.8 * r_ahead
+    c = Costs(5.0, {13: 1270.0})
+    c.observe(0, 0.0, 13, 1270.0, 0.5, ahead_forwards=4, ahead_ms=400.0)  # a round whose draft was made ahead
+    c.observe(12, 60.0, 13, 1270.0, 0.5)  # a round that drafted alone
+    assert (c.level2, c.level2_ahead) == (5.0, 100.0)
 
 
 def test_a_level_3_cost_between_measured_sizes_is_interpolated():
@@ -390,9 +416,9 @@ def test_a_plan_that_keeps_winning_is_weighed_at_doubling_intervals_and_a_switch
     WEIGH_EVERY_MS."""
     elapsed, weighed, weigh = 0.0, [], core.planner.best
 
-    def counted(options, e, ahead=False):
+    def counted(options, e):
         weighed.append(elapsed)
-        return weigh(options, e, ahead)
+        return weigh(options, e)
 
     monkeypatch.setattr(core.planner, "best", counted)
     p = Planner(estimates(level1=0.9, level2=0.95, level3={1: 1.0, 7: 1.2}, a1=0.3, a2=0.5), DRAFT,
