@@ -109,7 +109,7 @@ class Tokens(Event):
 @dataclass
 class PlanChosen(Event):
     """From round `round` on, the hierarchy the planner chose (method auto) and why: which levels draft (level1:
-    the drafter, "" for none) and how many tokens (gamma2 0: autoregressive)."""
+    the drafter, "" for none), how many tokens (gamma2 0: autoregressive), and whether level 2 drafts ahead."""
 
     round: int
     plan: str
@@ -118,6 +118,7 @@ class PlanChosen(Event):
     level2: bool
     gamma1: int
     gamma2: int
+    ahead: bool = False
 
 
 @dataclass

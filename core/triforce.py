@@ -168,7 +168,7 @@ class TriForce:
             if self.auto and h != shown:
                 shown = h
                 self.plans.append(h.name)
-                yield PlanChosen(round_, h.name, self.planner.reason, h.level1, h.level2, h.gamma1, h.gamma2)
+                yield PlanChosen(round_, h.name, self.planner.reason, h.level1, h.level2, h.gamma1, h.gamma2, h.ahead)
             committed = len(seq)
             t0 = clock(self.graphs)
             if h.level2:  # level 2's cache takes what level 3 verified since it was last in step, whatever drafted it
