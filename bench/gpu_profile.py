@@ -143,15 +143,14 @@ def profile_draft(ctx: int, shape: dict, budget: int = 8192, steps: int = 8) -> 
         level = Level(model, rcache, prompt, Graphs(), drafting=True)
         seq = prompt
         cfgs = {"greedy": GenerationConfig(temperature=0.0), "sampled": GenerationConfig(temperature=0.6, top_p=0.9)}
-        stages = {
-            "replay": lambda: level.states(seq, 1, len(seq), [7]),
-            "replay_head": lambda: level.head(level.states(seq, 1, len(seq), [7])),
-        }
+
+        def logits() -> torch.Tensor:
+            return level.head(level.states(seq, 1, len(seq), [7]))
+
+        stages = {"replay": lambda: level.states(seq, 1, len(seq), [7]), "replay_head": logits}
         for mode, cfg in cfgs.items():
-            stages[f"{mode}_distributions"] = lambda cfg=cfg: distributions(
-                level.head(level.states(seq, 1, len(seq), [7])), cfg)
-            stages[f"{mode}_step"] = lambda cfg=cfg: speculative_verify(
-                [], None, distributions(level.head(level.states(seq, 1, len(seq), [7])), cfg), gen)
+            stages[f"{mode}_distributions"] = lambda cfg=cfg: distributions(logits(), cfg)
+            stages[f"{mode}_step"] = lambda cfg=cfg: speculative_verify([], None, distributions(logits(), cfg), gen)
         out["stage_ms"] = {name: sync_ms(fn, 30, 5) for name, fn in stages.items()}
         print(out["stage_ms"], flush=True)
         step = stages["sampled_step"]

@@ -343,7 +343,8 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
         return 1.0 / verify if verify > 0 else None
     if h.level2:  # level 2 makes γ2 tokens, each level-2 forward checking γ1 level-1 tokens when level 1 drafts
         per_forward = expected_tokens(d.a1.rate, d.offered.rate * h.gamma1) if d else 1.0
-        forward = c.level2 + (h.gamma1 * d.ms if d else 0.0)
+        level1 = h.gamma1 * d.ms if d else 0.0  # level 1's drafting for one level-2 forward
+        forward = c.level2 + level1
         drafting = h.gamma2 * forward / per_forward
         if not h.ahead:
             return expected_tokens(e.a2.rate, h.gamma2) / (drafting + verify + c.overhead)
@@ -352,7 +353,7 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
         # accepts every draft and then emits the guess (about as likely as accepting one draft more), so a round
         # drafts for itself, alone, only otherwise.
         beside = c.level2_ahead if c.level2_ahead is not None else c.level2
-        ahead = (beside + drafting * (beside + (h.gamma1 * d.ms if d else 0.0)) / forward)
+        ahead = beside + drafting * (beside + level1) / forward
         kept = e.a2.rate ** (h.gamma2 + 1)
         round_ms = (1.0 - kept) * drafting + max(verify, ahead) + c.overhead
         return expected_tokens(e.a2.rate, h.gamma2) / round_ms

@@ -131,12 +131,12 @@ class TriForce:
         self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
         self.auto = estimates is not None
         streamed = not target.cache.resident
-        self.ahead = drafts_ahead(cfg.draft_ahead, streamed, model.device)
-        fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2, self.ahead)
+        ahead = drafts_ahead(cfg.draft_ahead, streamed, model.device)
+        fixed = Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2, ahead)
         self.overlap = Overlap(model.device)
         self.planner = Planner(estimates or Estimates(), list(drafters), cfg.gamma1, cfg.gamma2, streamed=streamed,
                                level2=self.retrieval.n_select < self.retrieval.index.num_chunks,
-                               ahead=self.ahead and self.overlap.stream is not None,
+                               ahead=ahead and self.overlap.stream is not None,
                                fixed=None if self.auto else fixed)
         self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs, drafting=True)
         self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
