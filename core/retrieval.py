@@ -35,8 +35,9 @@ class ChunkIndex:
 
     @classmethod
     def build(cls, full: KVCache, length: int, chunk_size: int, device: torch.device | None = None) -> "ChunkIndex":
-        """Means computed in float32 one layer at a time (a float32 copy of a long cache would not fit), stored in the
-        cache's dtype (half the memory and read time in bf16) on `device` (default: the cache's compute device)."""
+        """Means computed in float32 one head of one layer at a time (a float32 copy of a long cache, or of one of its
+        layers beside an offloaded run's other buffers, would not fit), stored in the cache's dtype (half the memory
+        and read time in bf16) on `device` (default: the cache's compute device)."""
         n = length // chunk_size
         layers, heads, _, d = full.k.shape
         device = device or full.device
@@ -44,7 +45,8 @@ class ChunkIndex:
         mean = pinned_empty(shape, full.k.dtype, full.on_cuda) if device.type == "cpu" else \
             torch.empty(shape, dtype=full.k.dtype, device=device)
         for layer, keys, _ in full.stream_layers(n * chunk_size):
-            mean[layer].copy_(keys.float().reshape(heads, n, chunk_size, d).mean(2), non_blocking=True)
+            for head in range(heads):
+                mean[layer, head].copy_(keys[head].float().view(n, chunk_size, d).mean(1), non_blocking=True)
         return cls(mean, chunk_size, length)
 
 
