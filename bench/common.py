@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from core import Engine, GenerationConfig
-from core.events import Finished, PlanChosen, Verdict
+from core.events import Finished, PlanChosen, StepTiming, Verdict
 from core.kvcache import KVCache, StreamingCache
 from core.cuda_graphs import Graphs
 from core.levels import Level
@@ -41,14 +41,17 @@ def document_of(engine: Engine, name: str, tokens: int) -> str:
 
 
 def finish(engine: Engine, document: str, instruction: str, cfg: GenerationConfig,
-           verdicts: list[Verdict] | None = None, chosen: list[PlanChosen] | None = None) -> Finished:
+           verdicts: list[Verdict] | None = None, chosen: list[PlanChosen] | None = None,
+           timings: list[StepTiming] | None = None) -> Finished:
     """Run one generation to the end and return its Finished event (its verifications appended to `verdicts`, the
-    plans method auto chose, with its reasons, to `chosen`)."""
+    plans method auto chose, with its reasons, to `chosen`, its rounds' timings to `timings`)."""
     for event in engine.generate(document, instruction, cfg):
         if isinstance(event, Verdict) and verdicts is not None:
             verdicts.append(event)
         elif isinstance(event, PlanChosen) and chosen is not None:
             chosen.append(event)
+        elif isinstance(event, StepTiming) and timings is not None:
+            timings.append(event)
         elif isinstance(event, Finished):
             return event
     raise RuntimeError("no result")

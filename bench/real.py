@@ -28,7 +28,7 @@ from bench.needle import FILLER, NEEDLE
 from bench.offload import h2d_gb_s
 from core import Engine, GenerationConfig
 from core.config import AUTO_GAMMA2
-from core.events import Finished, PlanChosen
+from core.events import Finished, PlanChosen, StepTiming
 from core.planner import AUTOREGRESSIVE, best, candidates, prior, rate
 from core.triforce import drafts_ahead
 
@@ -65,8 +65,14 @@ def text_of(kind: str, engine: Engine, tokens: int) -> str:
     return engine.tokenizer.decode(ids)
 
 
-def row(fin: Finished, chosen: list[PlanChosen] = ()) -> dict:
+def row(fin: Finished, chosen: list[PlanChosen] = (), timings: list[StepTiming] = ()) -> dict:
+    """One run's figures; given its rounds' timings, each round's milliseconds per level and tokens emitted, and the
+    decoding time spent outside the rounds (events, the planner's bookkeeping)."""
     s = fin.stats
+    in_rounds = sum(t.level1_ms + t.level2_ms + t.level3_ms + t.selection_ms for t in timings)
+    rounds = {"rounds": [[round(t.level1_ms, 2), round(t.level2_ms, 2), round(t.level3_ms, 2), t.tokens]
+                         for t in timings],
+              "outside_rounds_ms": s.new_tokens / s.tokens_per_s * 1e3 - in_rounds} if timings else {}
     return {"tokens_per_s": s.tokens_per_s, "ms_per_token": 1e3 / s.tokens_per_s if s.tokens_per_s else None,
             "new_tokens": s.new_tokens, "prompt_tokens": s.prompt_tokens, "prefill_s": s.prefill_s,
             "prefill_reused": s.prefill_reused, "level1_acceptance": s.level1_acceptance,
@@ -74,7 +80,8 @@ def row(fin: Finished, chosen: list[PlanChosen] = ()) -> dict:
             "host_link_bytes_per_token": s.host_link_bytes / max(s.new_tokens, 1), "plans": s.plans,
             "budget": s.settings.get("budget"), "drafter": s.drafter, "ahead_made": s.ahead_made,
             "ahead_kept": s.ahead_kept,
-            "plan_log": [[c.round, c.plan, c.reason] for c in chosen], "warmup_s": s.warmup_s, "text": fin.text[:300]}
+            "plan_log": [[c.round, c.plan, c.reason] for c in chosen], "warmup_s": s.warmup_s, "text": fin.text[:300],
+            **rounds}
 
 
 def sampled_row(engine: Engine, doc: str, instruction: str, settings: dict, repeats: int) -> dict:
@@ -84,15 +91,17 @@ def sampled_row(engine: Engine, doc: str, instruction: str, settings: dict, repe
     rows = []
     for seed in range(repeats):
         chosen: list[PlanChosen] = []
+        timings: list[StepTiming] = []
         rows.append(row(finish(engine, doc, instruction, GenerationConfig(**settings, **SAMPLED, seed=seed),
-                               chosen=chosen), chosen))
+                               chosen=chosen, timings=timings), chosen, timings))
     tokens = sum(r["new_tokens"] for r in rows)
     seconds = sum(r["new_tokens"] / r["tokens_per_s"] for r in rows)
-    keep = ("tokens_per_s", "level1_acceptance", "level2_acceptance", "plans", "plan_log", "ahead_made", "ahead_kept")
+    keep = ("tokens_per_s", "level1_acceptance", "level2_acceptance", "plans", "plan_log", "ahead_made", "ahead_kept",
+            "rounds", "outside_rounds_ms")
     return {**rows[0], "tokens_per_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
             "level1_acceptance": statistics.mean(r["level1_acceptance"] for r in rows),
             "level2_acceptance": statistics.mean(r["level2_acceptance"] for r in rows),
-            "repeats": [{k: r[k] for k in keep} for r in rows]}
+            "repeats": [{k: r[k] for k in keep if k in r} for r in rows]}
 
 
 def usable(runs: list[tuple[str, dict]], engine: Engine, base: dict) -> list[tuple[str, dict]]:
