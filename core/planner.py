@@ -109,9 +109,11 @@ RECENT = 9
 @dataclass
 class Costs:
     """Measured milliseconds of levels 2 and 3 (None until seen): a level-2 forward, a level-3 forward by its number
-    of new tokens, the per-round overhead of keeping level 2's cache in step, and a level-2 forward made while level
-    3's pass runs beside it (drafting ahead: the two share the device). Each is the low median
-    of its RECENT latest samples: `samples` holds them by figure name, `level3_samples` by rows."""
+    of new tokens (its pass over the cache, then its head, distributions and verification), the per-round overhead
+    of keeping level 2's cache in step, a level-2 forward made while level 3's pass runs beside it (drafting ahead:
+    the two share the device), and what follows that pass (`post`: level 3's head, distributions and verification,
+    which drafting ahead cannot hide). Each is the low median of its RECENT latest samples: `samples` holds them by
+    figure name, `level3_samples` by rows."""
 
     level2: float | None = None
     level3: dict[int, float] = field(default_factory=dict)
@@ -120,6 +122,7 @@ class Costs:
     level3_samples: dict[int, deque] = field(default_factory=dict, repr=False)
     borrowed: bool = False  # level3 was measured at another prompt length: its first measurement here rescales it
     level2_ahead: float | None = None  # until measured, a plan drafting ahead expects level 2's own speed
+    post: float = 0.0
 
     def verify(self, rows: int) -> float | None:
         """A level-3 forward over `rows` new tokens: measured, else linear through the nearest measured sizes, or
@@ -135,9 +138,11 @@ class Costs:
         return max(self.level3[a], self.level3[a] + (self.level3[b] - self.level3[a]) * (rows - a) / (b - a))
 
     def observe(self, level2_forwards: int, level2_ms: float, level3_rows: int, level3_ms: float,
-                overhead_ms: float, ahead_forwards: int = 0, ahead_ms: float = 0.0) -> None:
+                overhead_ms: float, ahead_forwards: int = 0, ahead_ms: float = 0.0, post_ms: float | None = None
+                ) -> None:
         """One round's measurements: level 2's time for its forwards (those it drafted ahead, beside level 3's pass,
-        apart), the level-3 forward over `level3_rows` new tokens, and the round's overhead. A step size's first use
+        apart), the level-3 forward over `level3_rows` new tokens (`post_ms` of it after its pass, where level 2
+        drafted ahead), and the round's overhead. A step size's first use
         may pay one-time work (a kernel module loaded, a cuBLAS heuristic, an allocation: 0.2 s once on a 16-row step
         of the real pair offloaded, twelve times a pass), so its first sample stands only where the other sizes do not
         predict it (by interpolation, or beyond the largest); else the prediction holds until a second sample, of two
@@ -149,6 +154,8 @@ class Costs:
             self.level2_ahead = _sample(self.samples, "level2_ahead", ahead_ms / ahead_forwards)
         if level2_forwards or ahead_forwards:
             self.overhead = _sample(self.samples, "overhead", overhead_ms)
+        if post_ms is not None:
+            self.post = _sample(self.samples, "post", post_ms)
         if self.borrowed and (then := self.verify(level3_rows)):  # a longer prompt scales every size alike
             self.level3 = {rows: ms * level3_ms / then for rows, ms in self.level3.items()}
         self.borrowed = False
@@ -259,10 +266,11 @@ class CostBook:
         levels, far = self._nearest(self.levels, run)
         levels = levels or Costs()
         e = Estimates(copy.deepcopy(Costs(levels.level2, level3, levels.overhead, {} if far else levels.samples,
-                                          own.level3_samples, borrowed, levels.level2_ahead)))
+                                          own.level3_samples, borrowed, levels.level2_ahead, levels.post)))
         seen, far = self._nearest(self.acceptance, run)
-        if (a2 := (seen or {}).get("a2")) is not None:
-            e.a2 = carried(a2, far)
+        for name in ("a2", "guess"):
+            if (a := (seen or {}).get(name)) is not None:
+                setattr(e, name, carried(a, far))
         for name in drafters:
             known, far = self._nearest(self.drafting, (*run, name))
             d = e.level1[name] = Drafting(known.ms, samples=copy.deepcopy(known.samples)) if known and not far \
@@ -283,9 +291,10 @@ class CostBook:
         full.level3_samples.update(copy.deepcopy(costs.level3_samples))
         if costs.level2 is not None:
             self.levels[run] = Costs(costs.level2, overhead=costs.overhead, samples=copy.deepcopy(costs.samples),
-                                     level2_ahead=costs.level2_ahead)  # level 3 lives in self.level3
+                                     level2_ahead=costs.level2_ahead, post=costs.post)  # level 3: self.level3
         if e.a2.verified > PRIOR_WEIGHT:  # observed, not a prior
-            self.acceptance[run] = {"a2": copy.copy(e.a2)}
+            self.acceptance[run] = {name: copy.copy(a) for name in ("a2", "guess")
+                                    if (a := getattr(e, name)).verified > PRIOR_WEIGHT}
         for name, d in e.level1.items():
             if d.ms is not None:
                 self.drafting[(*run, name)] = Drafting(d.ms, samples=copy.deepcopy(d.samples))
@@ -322,14 +331,18 @@ def expected_tokens(alpha: float, gamma: float) -> float:
 
 @dataclass
 class Estimates:
-    """What the planner knows: the costs of levels 2 and 3, the acceptance of level 2 at level 3 (a2), and what each
-    level-1 drafter has shown, by name."""
+    """What the planner knows: the costs of levels 2 and 3, the acceptance of level 2 at level 3 (a2), what each
+    level-1 drafter has shown, by name, and how often level 2 guesses the token level 3 emits after a whole draft."""
 
     costs: Costs = field(default_factory=Costs)
     # level 2 is the target itself on the chunks its own queries chose: the real Qwen pair's level 3 accepted 0.90-0.99
     # of its drafts on prose, code and a pass key (bench.real), the paper reports ~0.9 and above
     a2: Estimate = field(default_factory=lambda: prior(0.9))
     level1: dict[str, Drafting] = field(default_factory=dict)
+    # how often level 3, having accepted a whole draft, emits the token level 2 guessed it would (the draft made
+    # ahead after it then stands): greedy, about as often as it accepts a draft; sampled, only as often as it draws
+    # level 2's likeliest token (the real pair offloaded at 30K kept 12 of 23 drafts made ahead where a2 ^ 7 said 16)
+    guess: Estimate = field(default_factory=lambda: prior(0.9))
 
 
 def rate(h: Hierarchy, e: Estimates) -> float | None:
@@ -350,12 +363,12 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
             return expected_tokens(e.a2.rate, h.gamma2) / (drafting + verify + c.overhead)
         # While level 3 verifies, level 2 guesses the token level 3 will emit after the draft (one forward) and drafts
         # the next round after it, at the speed it drafts beside level 3's pass: that draft stands when level 3
-        # accepts every draft and then emits the guess (about as likely as accepting one draft more), so a round
-        # drafts for itself, alone, only otherwise.
+        # accepts every draft and then emits the guess, so a round drafts for itself, alone, only otherwise. Level
+        # 3's head, distributions and verification wait for both the pass and the drafting.
         beside = c.level2_ahead if c.level2_ahead is not None else c.level2
         ahead = beside + drafting * (beside + level1) / forward
-        kept = e.a2.rate ** (h.gamma2 + 1)
-        round_ms = (1.0 - kept) * drafting + max(verify, ahead) + c.overhead
+        kept = e.a2.rate ** h.gamma2 * e.guess.rate
+        round_ms = (1.0 - kept) * drafting + max(verify, ahead + c.post) + c.overhead
         return expected_tokens(e.a2.rate, h.gamma2) / round_ms
     return expected_tokens((d.a13 or d.a1).rate, d.offered.rate * h.gamma2) / (h.gamma2 * d.ms + verify)
 
@@ -498,7 +511,7 @@ class Planner:
 
     def observe(self, level1: str, level1_asked: int, level1_ms: float, level2_forwards: int, level2_ms: float,
                 level3_rows: int, level3_ms: float, overhead_ms: float, ahead_forwards: int = 0,
-                ahead_ms: float = 0.0) -> None:
+                ahead_ms: float = 0.0, post_ms: float | None = None) -> None:
         """One round's measured costs: drafter `level1`'s time for the tokens asked of it, then as Costs.observe
         takes them (`ahead_*`: level 2's forwards made beside level 3's pass, which the round did not wait on)."""
         self.rounds += 1
@@ -506,7 +519,7 @@ class Planner:
         if level1_asked:
             self.estimates.level1[level1].timed(level1_asked, level1_ms)
         self.estimates.costs.observe(level2_forwards, level2_ms, level3_rows, level3_ms, overhead_ms, ahead_forwards,
-                                     ahead_ms)
+                                     ahead_ms, post_ms)
 
     def level1_checked(self, drafter: str, by: int, asked: int, proposed: int, accepted: int) -> None:
         """Drafter `drafter` was asked for `asked` tokens, proposed `proposed`, and level `by` (2, or 3 directly)
@@ -525,3 +538,7 @@ class Planner:
     def level2_checked(self, proposed: int, accepted: int) -> None:
         """Level 3 accepted `accepted` of level 2's `proposed` tokens."""
         self.estimates.a2.add(proposed, accepted)
+
+    def guessed(self, hit: bool) -> None:
+        """Level 3 accepted a whole draft and then emitted (`hit`) or not the token level 2 had guessed."""
+        self.estimates.guess.add(1, int(hit))

@@ -103,7 +103,8 @@ class Overlap:
                 t.record_stream(current)
 
     def level3_ms(self) -> float:
-        """What level 3's work took: on a GPU its stream's time (joined first), else the host's."""
+        """What level 3's work took, once done (the host waits for it): on a GPU its stream's time, else the
+        host's."""
         if self.stream is None:
             return self.host_ms
         self.end.synchronize()
@@ -197,6 +198,8 @@ class TriForce:
                 if ahead:
                     made = self.draft_ahead(h, seq, committed, draft, round_ + 1, after)
                     self.overlap.join(h3)
+                    pass_ms = self.overlap.level3_ms()  # waits for the pass: what follows it is timed alone
+                    after_pass = clock(self.graphs)
                 p3 = distributions(self.repetition(target.head(h3), seq, draft.tokens), cfg)
                 accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q) if draft.q else None, p3,
                                                      self.generator)
@@ -205,12 +208,15 @@ class TriForce:
                 accepted, (token, h3, _) = 0, next_token(target, seq, self.repetition, cfg, self.generator)
                 feature = h3[0]
             level3_s = clock(self.graphs) - t0
-            level3_ms = level3_s * 1e3
-            if made is not None:  # level 3's own time is its stream's, unless a first capture (warm-up) fell in it
-                self.ahead_made += 1
+            level3_ms, post_ms = level3_s * 1e3, None
+            if made is not None:  # level 3's own time is its stream's and then its own, unless a first capture
+                self.ahead_made += 1  # (warm-up) fell in the drafting beside it
                 fresh = self.graphs is not None and self.graphs.capture_s != captured
+                post_ms = (clock(self.graphs) - after_pass) * 1e3
                 level3_ms = level3_ms - (made.cost.level1_s + made.cost.level2_s) * 1e3 if fresh \
-                    else self.overlap.level3_ms()
+                    else pass_ms + post_ms
+                if accepted == n:
+                    self.planner.guessed(token == made.guess)
                 ready = made if accepted == n and token == made.guess else None
             self.counts.count(2 if h.level2 else 1, n, accepted)  # (level 1's drafts checked by level 3 directly)
             if h.level2:
@@ -233,7 +239,7 @@ class TriForce:
             drafted = spent.cost_with(beside)
             self.planner.observe(h.level1, drafted.asked, drafted.level1_s * 1e3, spent.level2_forwards,
                                  spent.level2_s * 1e3, n + 1, level3_ms, (sync_s + selection_s) * 1e3,
-                                 beside.level2_forwards, beside.level2_s * 1e3)
+                                 beside.level2_forwards, beside.level2_s * 1e3, post_ms)
             yield StepTiming(round_, spent.level1_s * 1e3, (spent.level2_s + sync_s) * 1e3, level3_s * 1e3,
                              selection_s * 1e3, accepted + 1)
             round_ += 1

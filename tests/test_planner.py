@@ -57,17 +57,17 @@ def test_acceptance_counts_only_the_drafts_that_were_verified():
 def test_drafting_ahead_hides_level_2_behind_a_streamed_verification_as_often_as_level_3_accepts_the_draft_and_guess():
     """A streamed verification of 13 rows takes 17 ms, a level-2 forward 2 ms: drafting 12 tokens (24 ms) before each
     verification, a round takes 41 ms; drafting ahead, a round waits for its own drafting only when level 3 rejected
-    part of the last draft or its guess (1 - a2^13 of rounds), and for whichever of the verification and the next
-    round's drafting (with the guess's forward) is longer."""
+    part of the last draft or emitted another token than level 2 guessed (1 - a2^12 * guess of rounds), and for
+    whichever of the verification and the next round's drafting (with the guess's forward) is longer."""
     h = Hierarchy("", True, 0, 12)
-    for a2 in (1.0, 0.9):
-        e = Estimates(Costs(2.0, {13: 17.0}), prior(a2))
+    for a2, guess in ((1.0, 1.0), (0.9, 0.9), (0.9, 0.5)):
+        e = Estimates(Costs(2.0, {13: 17.0}), prior(a2), guess=prior(guess))
         tokens = expected_tokens(a2, 12)
         assert rate(h, e) == pytest.approx(tokens / 41.0)
-        assert rate(replace(h, ahead=True), e) == pytest.approx(tokens / ((1 - a2 ** 13) * 24.0 + 26.0))
+        assert rate(replace(h, ahead=True), e) == pytest.approx(tokens / ((1 - a2 ** 12 * guess) * 24.0 + 26.0))
     # with a short draft the verification is the longer: rounds whose draft was made ahead cost one pass alone
-    assert rate(Hierarchy("", True, 0, 4, ahead=True), Estimates(Costs(2.0, {5: 17.0}), prior(1.0))) == \
-        pytest.approx(5 / 17.0)
+    assert rate(Hierarchy("", True, 0, 4, ahead=True), Estimates(Costs(2.0, {5: 17.0}), prior(1.0),
+                                                                 guess=prior(1.0))) == pytest.approx(5 / 17.0)
     # drafting ahead, the best plan expects more and drafts less a round: a draft made ahead stands only when level 3
     # accepted all of the one before, less likely the longer it is
     e = Estimates(Costs(2.0, {1: 16.0, 32: 18.0}), prior(0.95))
@@ -98,6 +98,41 @@ def test_drafting_ahead_is_weighed_with_what_level_2_costs_beside_level_3s_pass(
     c.observe(0, 0.0, 13, 1270.0, 0.5, ahead_forwards=4, ahead_ms=400.0)  # a round whose draft was made ahead
     c.observe(12, 60.0, 13, 1270.0, 0.5)  # a round that drafted alone
     assert (c.level2, c.level2_ahead) == (5.0, 100.0)
+
+
+def test_drafting_ahead_pays_what_follows_level_3s_pass_after_the_longer_of_pass_and_drafting():
+    """Level 3's head, distributions and verification (2 ms of its 19 ms step) wait for the pass and for the drafting
+    made beside it: a round whose drafting ahead (26 ms) outlasts the pass costs 26 + 2 ms, not 26."""
+    e = Estimates(Costs(2.0, {13: 19.0}), prior(1.0), guess=prior(1.0))
+    h = Hierarchy("", True, 0, 12, ahead=True)
+    assert rate(h, e) == pytest.approx(13 / 26.0)
+    e.costs.post = 2.0
+    assert rate(h, e) == pytest.approx(13 / 28.0)
+    c = Costs(2.0, {13: 19.0})
+    c.observe(0, 0.0, 13, 19.0, 0.5, ahead_forwards=12, ahead_ms=24.0, post_ms=2.0)
+    c.observe(12, 24.0, 13, 19.0, 0.5)  # a round drafting after the pass measures no post
+    assert c.post == 2.0
+
+
+def test_where_level_3_seldom_emits_level_2s_guess_the_planner_drafts_longer_rounds_than_where_it_mostly_does():
+    """Sampled, level 3 emits level 2's likeliest token less often than it accepts a draft: drafts made ahead then
+    stand less often, and short drafts, which only pay where they stand, lose to longer ones; a run's guesses are
+    counted only after a whole draft was accepted, and the next run of its kind starts from them."""
+    def plan(guess: float) -> Hierarchy:  # the real pair offloaded at 30K's figures, prompt lookup at level 1
+        c = Costs(2.67, {1: 17.5, 7: 17.75, 13: 18.4, 32: 19.0}, overhead=0.5, post=1.5, level2_ahead=3.16)
+        lookup = Drafting(0.0128, Estimate(100.0, 23.7), offered=Estimate(100.0, 88.0))
+        e = Estimates(c, Estimate(100.0, 95.3), {"ngram": lookup}, guess=Estimate(100.0, 100.0 * guess))
+        return best(candidates(["ngram"], 2, 31, ahead=True), e)[0]
+
+    sure, unsure = plan(0.95), plan(0.5)
+    assert sure.ahead and unsure.gamma2 > sure.gamma2
+    planner = Planner(Estimates(), [], 0, 12, streamed=True, ahead=True)
+    for hit in (True, False, False, False):
+        planner.guessed(hit)
+    assert planner.estimates.guess.rate < Estimates().guess.rate
+    book = CostBook()
+    book.learn(True, 30000, False, 4096, replace(planner.estimates, a2=Estimate(100.0, 95.0)))
+    assert book.estimates(True, 30000, False, 4096).guess.rate == pytest.approx(planner.estimates.guess.rate)
 
 
 def test_a_level_3_cost_between_measured_sizes_is_interpolated():
