@@ -392,7 +392,7 @@ def test_without_a_drafter_and_with_the_whole_prompt_in_budget_nothing_is_measur
     assert p.choose() == AUTOREGRESSIVE and "covers the whole prompt" in p.reason
     p = Planner(Estimates(), DRAFT, gamma1_max=2, gamma2_max=15, level2=False)
     first = p.choose()
-    assert first == Hierarchy("model", False, 0, 6) and p.reason.startswith("measuring")
+    assert first == Hierarchy("model", False, 0, 1) and p.reason.startswith("measuring")
     assert not any(h.level2 for h in p.options)
 
 
