@@ -143,10 +143,22 @@ def test_a_level_3_cost_between_measured_sizes_is_interpolated():
 
 def test_a_level_3_cost_outside_the_measured_sizes_never_falls_below_the_nearest_one():
     """Below the smallest measured size (a streamed run never measures one token), the smallest's cost; above the
-    largest, on through the two largest, never lower (a noisy larger size must not make more tokens cheaper)."""
+    largest, on along the line through the smallest and the largest, never lower (a noisy larger size must not make
+    more tokens cheaper)."""
     c = Costs(level3={7: 40.0, 13: 90.0, 16: 100.0})
-    assert c.verify(1) == 40.0 and c.verify(10) == pytest.approx(65.0) and c.verify(19) == pytest.approx(110.0)
+    assert c.verify(1) == 40.0 and c.verify(10) == pytest.approx(65.0) and c.verify(19) == pytest.approx(120.0)
     assert Costs(level3={7: 40.0, 13: 30.0}).verify(16) == 40.0
+
+
+def test_a_wobble_between_two_close_large_sizes_does_not_price_long_drafts_out():
+    """A streamed pass costs ~30 ms whatever it verifies; one 13-row pass that took 2 ms more than an 11-row one must
+    not make 32 rows cost two passes: beyond the largest size the slope is the widest span's, and a plan drafting
+    31 tokens after the pass still beats drafting 12."""
+    c = Costs(1.0, {1: 28.0, 4: 28.4, 5: 28.5, 11: 29.0, 13: 31.0})
+    assert c.verify(32) == pytest.approx(31.0 + 19 * 3.0 / 12)
+    e = Estimates(c, prior(0.98))
+    h, _ = best(candidates([], 2, 31), e)
+    assert h.gamma2 == 31
     assert rate(AUTOREGRESSIVE, Estimates(Costs(level3={7: 40.0, 13: 90.0}))) == pytest.approx(1 / 40.0)
 
 
