@@ -403,10 +403,10 @@ def best(options: list[Hierarchy], e: Estimates) -> tuple[Hierarchy, float] | No
 @dataclass
 class Planner:
     """One run's hierarchy, round by round. While costs are unmeasured it measures: a round of the fullest
-    hierarchy drafting one token, then an autoregressive one (unless the full cache is `streamed` from host memory: a full step then
-    costs what its copies do however few tokens it verifies, so the verification measured stands for an AR step,
-    which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds (or
-    SETTLE_MS of decoding) and weigh_every_ms have passed since it last looked, it weighs the candidates again and
+    hierarchy drafting one token, then an autoregressive one (unless the full cache is `streamed` from host memory: a
+    full step then costs what its copies do however few tokens it verifies, so the verification measured stands for an
+    AR step, which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds
+    (or SETTLE_MS of decoding) and weigh_every_ms have passed since it last looked, it weighs the candidates again and
     switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times (after that only back to
     autoregressive decoding, when the plan falls below it). A drafting plan is taken only when expected SWITCH_GAIN
     times faster than autoregressive decoding, the first one too. `drafters`: the level-1 drafters there, the first

@@ -209,8 +209,10 @@ class TriForce:
                 feature = h3[0]
             level3_s = clock(self.graphs) - t0
             level3_ms, post_ms = level3_s * 1e3, None
-            if made is not None:  # level 3's own time is its stream's and then its own, unless a first capture
-                self.ahead_made += 1  # (warm-up) fell in the drafting beside it
+            # drafting ahead, level 3's own time is its pass (its stream's time) and what followed the pass, unless a
+            # first capture (warm-up) fell in the drafting beside it
+            if made is not None:
+                self.ahead_made += 1
                 fresh = self.graphs is not None and self.graphs.capture_s != captured
                 post_ms = (clock(self.graphs) - after_pass) * 1e3
                 level3_ms = level3_ms - (made.cost.level1_s + made.cost.level2_s) * 1e3 if fresh \
