@@ -168,6 +168,9 @@ def shape_run(name: str, tok, args, bw: float) -> dict:
                                                 max_new_tokens=args.new_tokens))
     first_run_s = time.perf_counter() - t0
     greedy = run(engine, doc, GenerationConfig(method="triforce", greedy=True, max_new_tokens=args.new_tokens))
+    # what method auto will start from: the level-3 costs the engine's book holds by regime (offloaded, the prompt
+    # length's bits, greedy) and rows, the warm-up's short document's among them
+    book = {str(regime): costs.level3 for regime, costs in engine.costs.level3.items()}
     auto = run(engine, doc, GenerationConfig(method="auto", temperature=0.6, top_p=0.9,
                                              max_new_tokens=args.new_tokens))
     ar = run(engine, doc, GenerationConfig(method="ar", greedy=True, max_new_tokens=args.ar_tokens))
@@ -179,7 +182,7 @@ def shape_run(name: str, tok, args, bw: float) -> dict:
         "gpu_memory_after_warmup_gib": warm_gib,
         "full_kv_gb": kv_bytes / 1e9, "ar_roofline_ms": kv_bytes / bw / 1e6, "first_run_s": first_run_s,
         "greedy_identical": greedy["token_ids"][:len(ar["token_ids"])] == ar["token_ids"],
-        "runs": [ar, sampled, greedy, auto]}
+        "runs": [ar, sampled, greedy, auto], "level3_ms_before_auto": book}
     for r in result["runs"]:
         r["projected_ms_per_token_pcie4"] = projected_ms(r, bw)
     del engine
