@@ -79,7 +79,7 @@ def run(engine: Engine, doc: str, cfg: GenerationConfig) -> dict:
         if isinstance(event, StepTiming):
             for key in levels:
                 levels[key] += getattr(event, key)
-            rounds.append([round(event.level2_ms, 1), round(event.level3_ms, 1), event.tokens])
+            rounds.append([round(event.level2_ms, 1), round(event.level3_ms, 1), event.tokens, event.level2_forwards])
         elif isinstance(event, PlanChosen):
             chosen.append([event.round, event.plan, event.reason])
         elif isinstance(event, Finished):
@@ -92,7 +92,8 @@ def run(engine: Engine, doc: str, cfg: GenerationConfig) -> dict:
            "level1_acceptance": s.level1_acceptance, "level2_acceptance": s.level2_acceptance,
            "tokens_per_target_forward": s.tokens_per_target_forward, "settings": s.settings, "plans": s.plans,
            "plan_log": chosen, "ahead_made": s.ahead_made, "ahead_kept": s.ahead_kept,
-           "rounds": rounds,  # per round: level-2 and level-3 ms (what the round waited on), tokens emitted
+           "rounds": rounds,  # per round: level-2 and level-3 ms (what the round waited on), tokens emitted, level-2
+           # forwards of its draft
            # frees of the allocator's cached blocks to retry an allocation at the memory limit, each a device-wide
            # synchronisation (it would stall level 2 drafting ahead until level 3's pass ends)
            "allocator_retries": allocator_retries() - retries,

@@ -66,12 +66,12 @@ def text_of(kind: str, engine: Engine, tokens: int) -> str:
 
 
 def row(fin: Finished, chosen: list[PlanChosen] = (), timings: list[StepTiming] = ()) -> dict:
-    """One run's figures; given its rounds' timings, each round's milliseconds per level and tokens emitted, and the
-    decoding time spent outside the rounds (events, the planner's bookkeeping)."""
+    """One run's figures; given its rounds' timings, each round's milliseconds per level, tokens emitted and level-2
+    forwards, and the decoding time spent outside the rounds (events, the planner's bookkeeping)."""
     s = fin.stats
     in_rounds = sum(t.level1_ms + t.level2_ms + t.level3_ms + t.selection_ms for t in timings)
-    rounds = {"rounds": [[round(t.level1_ms, 2), round(t.level2_ms, 2), round(t.level3_ms, 2), t.tokens]
-                         for t in timings],
+    rounds = {"rounds": [[round(t.level1_ms, 2), round(t.level2_ms, 2), round(t.level3_ms, 2), t.tokens,
+                          t.level2_forwards] for t in timings],
               "outside_rounds_ms": s.new_tokens / s.tokens_per_s * 1e3 - in_rounds} if timings else {}
     return {"tokens_per_s": s.tokens_per_s, "ms_per_token": 1e3 / s.tokens_per_s if s.tokens_per_s else None,
             "new_tokens": s.new_tokens, "prompt_tokens": s.prompt_tokens, "prefill_s": s.prefill_s,

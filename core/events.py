@@ -123,7 +123,8 @@ class PlanChosen(Event):
 
 @dataclass
 class StepTiming(Event):
-    """Wall time of one level-3 round, split by level (milliseconds)."""
+    """Wall time of one level-3 round, split by level (milliseconds), the tokens it emitted and the level-2 forwards
+    its draft took (made ahead or not)."""
 
     round: int
     level1_ms: float
@@ -131,6 +132,7 @@ class StepTiming(Event):
     level3_ms: float
     selection_ms: float
     tokens: int
+    level2_forwards: int = 0
 
 
 def verified(proposed: int, accepted: int) -> int:

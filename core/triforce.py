@@ -243,7 +243,7 @@ class TriForce:
                                  spent.level2_s * 1e3, n + 1, level3_ms, (sync_s + selection_s) * 1e3,
                                  beside.level2_forwards, beside.level2_s * 1e3, post_ms)
             yield StepTiming(round_, spent.level1_s * 1e3, (spent.level2_s + sync_s) * 1e3, level3_s * 1e3,
-                             selection_s * 1e3, accepted + 1)
+                             selection_s * 1e3, accepted + 1, draft.level2_forwards)
             round_ += 1
 
     def shadow(self, h: Hierarchy, seq: list[int], emitted: list[int]) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from core.config import GenerationConfig, TriForceError
 from core.engine import Engine
-from core.events import Finished, PlanChosen, PromptReady, Verdict
+from core.events import Finished, PlanChosen, PromptReady, StepTiming, Verdict
 from core.kvcache import KVCache
 from core.levels import Level
 from core import offload
@@ -124,7 +124,7 @@ def test_greedy_offloaded_triforce_equals_on_chip_and_ar(engine, reselect):
 def test_drafting_ahead_keeps_greedy_tokens_and_shows_each_round_the_draft_it_verified(engine):
     """Level 2 drafts each next round while level 3 verifies (draft_ahead on: on a CPU the two run in turn): the
     tokens are AR's, some rounds verify a draft made ahead, and each round's level-2 verdicts are those of the draft
-    its level 3 verified (a draft made ahead and dropped shows nowhere)."""
+    its level 3 verified (a draft made ahead and dropped shows nowhere), as many as its timing's level-2 forwards."""
     base = dict(greedy=True, max_new_tokens=40, budget=80, chunk_size=4, gamma2=4, offload="on")
     cfg = GenerationConfig(method="triforce", draft_ahead="on", **base).validate()
     with torch.no_grad():
@@ -139,6 +139,10 @@ def test_drafting_ahead_keeps_greedy_tokens_and_shows_each_round_the_draft_it_ve
         drafted = [t for v in verdicts if v.level == 2 and v.round == v3.round
                    for t in v.proposed[:v.accepted] + [v.token]]
         assert drafted[:len(v3.proposed)] == v3.proposed and len(drafted) - len(v3.proposed) < cfg.gamma1 + 1
+    timings = [e for e in events if isinstance(e, StepTiming)]
+    assert [t.level2_forwards for t in timings] == [sum(v.level == 2 and v.round == t.round for v in verdicts)
+                                                    for t in timings]
+    assert sum(t.level2_forwards for t in timings) > len(timings)
     level1 = [v for v in verdicts if v.level == 2]
     assert done.stats.level1_proposed == sum(len(v.proposed) for v in level1)
     assert done.stats.level1_accepted == sum(v.accepted for v in level1)
