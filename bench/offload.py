@@ -92,8 +92,8 @@ def run(engine: Engine, doc: str, cfg: GenerationConfig) -> dict:
            "level1_acceptance": s.level1_acceptance, "level2_acceptance": s.level2_acceptance,
            "tokens_per_target_forward": s.tokens_per_target_forward, "settings": s.settings, "plans": s.plans,
            "plan_log": chosen, "ahead_made": s.ahead_made, "ahead_kept": s.ahead_kept,
-           "rounds": rounds,  # per round: level-2 and level-3 ms (what the round waited on), tokens emitted, level-2
-           # forwards of its draft
+           # per round: level-2 and level-3 ms (what the round waited on), tokens emitted, its draft's level-2 forwards
+           "rounds": rounds,
            # frees of the allocator's cached blocks to retry an allocation at the memory limit, each a device-wide
            # synchronisation (it would stall level 2 drafting ahead until level 3's pass ends)
            "allocator_retries": allocator_retries() - retries,

@@ -40,6 +40,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
 # from what the first one saw, and one unlucky round (a rejection at the first token) must not overturn it; another
 # question on the document drafts differently, and a few rounds still show that.
 CARRIED_WEIGHT = 16.0
+CARRIED = ("a2", "guess")  # the acceptances of a whole run (Estimates' fields) that a next run of its kind starts from
 
 
 @dataclass(frozen=True)
@@ -136,11 +137,12 @@ class Costs:
         sizes = sorted(self.level3)
         if rows < sizes[0] or len(sizes) == 1:
             return self.level3[sizes[0]]
-        above = [r for r in sizes if r > rows]
-        a, b = (max(r for r in sizes if r < rows), above[0]) if above else (sizes[0], sizes[-1])
-        ca, cb = self.level3[a], self.level3[b]
-        if above:
+        if rows < sizes[-1]:  # between two measured sizes
+            a, b = max(r for r in sizes if r < rows), min(r for r in sizes if r > rows)
+            ca, cb = self.level3[a], self.level3[b]
             return max(ca, ca + (cb - ca) * (rows - a) / (b - a))
+        a, b = sizes[0], sizes[-1]
+        ca, cb = self.level3[a], self.level3[b]
         return max(ca, cb, cb + (cb - ca) * (rows - b) / (b - a))
 
     def observe(self, level2_forwards: int, level2_ms: float, level3_rows: int, level3_ms: float,
@@ -274,7 +276,7 @@ class CostBook:
         e = Estimates(copy.deepcopy(Costs(levels.level2, level3, levels.overhead, {} if far else levels.samples,
                                           own.level3_samples, borrowed, levels.level2_ahead, levels.post)))
         seen, far = self._nearest(self.acceptance, run)
-        for name in ("a2", "guess"):
+        for name in CARRIED:
             if (a := (seen or {}).get(name)) is not None:
                 setattr(e, name, carried(a, far))
         for name in drafters:
@@ -298,9 +300,9 @@ class CostBook:
         if costs.level2 is not None:
             self.levels[run] = Costs(costs.level2, overhead=costs.overhead, samples=copy.deepcopy(costs.samples),
                                      level2_ahead=costs.level2_ahead, post=costs.post)  # level 3: self.level3
-        if e.a2.verified > PRIOR_WEIGHT:  # observed, not a prior
-            self.acceptance[run] = {name: copy.copy(a) for name in ("a2", "guess")
-                                    if (a := getattr(e, name)).verified > PRIOR_WEIGHT}
+        observed = {name: copy.copy(a) for name in CARRIED if (a := getattr(e, name)).verified > PRIOR_WEIGHT}
+        if observed:  # (a guess is counted only after level 3 verified a whole draft: never without a2)
+            self.acceptance[run] = observed
         for name, d in e.level1.items():
             if d.ms is not None:
                 self.drafting[(*run, name)] = Drafting(d.ms, samples=copy.deepcopy(d.samples))

@@ -217,9 +217,10 @@ class TriForce:
                 post_ms = (clock(self.graphs) - after_pass) * 1e3
                 level3_ms = level3_ms - (made.cost.level1_s + made.cost.level2_s) * 1e3 if fresh \
                     else pass_ms + post_ms
+                hit = accepted == n and token == made.guess
                 if accepted == n:
-                    self.planner.guessed(token == made.guess)
-                ready = made if accepted == n and token == made.guess else None
+                    self.planner.guessed(hit)
+                ready = made if hit else None
             self.counts.count(2 if h.level2 else 1, n, accepted)  # (level 1's drafts checked by level 3 directly)
             if h.level2:
                 self.planner.level2_checked(n, accepted)
