@@ -70,18 +70,12 @@ def drafts_ahead(setting: str, streamed: bool, device: torch.device) -> bool:
     return setting == "on" or (setting == "auto" and streamed and device.type == "cuda" and parallel.ACTIVE is None)
 
 
-PASS_PRIORITY = -100  # level 3's stream: the highest priority the GPU offers
-
-
 class Overlap:
     """Level 3 on a stream of its own, so that level 2 drafts ahead meanwhile: a GPU runs both at once, and a pass
     over a cache streamed from CPU memory mostly waits on its copies. Elsewhere the two run one after the other."""
 
     def __init__(self, device: torch.device):
-        # The pass is the round's critical path: on its stream a kernel of the pass takes the next free
-        # multiprocessor before level 2's (a lower number is a higher priority; torch clamps it to the range the
-        # GPU has), so drafting beside it fills the gaps instead of holding up the layer whose copy comes next.
-        self.stream = torch.cuda.Stream(device, priority=PASS_PRIORITY) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.stream is not None:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.host_ms = 0.0
