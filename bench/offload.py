@@ -154,13 +154,9 @@ def shape_run(name: str, tok, args, bw: float) -> dict:
     """AR then TriForce (sampled, greedy) on one shape, all offloaded within the budget."""
     engine = random_engine(name, tok, args.context + args.new_tokens + 1024, args.gpu_memory_gib)
     torch.cuda.reset_peak_memory_stats()
-    short = document(tok, 3000)  # compiles kernels and captures graphs outside the timed runs
-    warm = dict(max_new_tokens=args.new_tokens, offload="on")
-    run(engine, short, GenerationConfig(method="ar", greedy=True, **{**warm, "max_new_tokens": 4}))
-    run(engine, short, GenerationConfig(method="triforce", greedy=True, **warm))
-    run(engine, short, GenerationConfig(method="triforce", temperature=0.6, top_p=0.9, **warm))
-    run(engine, short, GenerationConfig(method="auto", temperature=0.6, top_p=0.9, **warm))
-    engine.release()  # the short prompt's caches and graphs: the long runs cannot reuse them
+    # the app's warm-up: kernels compiled for every step shape method auto may use (its longest drafts too) and
+    # the cost book filled, outside the timed runs
+    engine.warm_up(args.new_tokens)
     warm_gib = {"allocated": torch.cuda.memory_allocated() / 2**30, "reserved": torch.cuda.memory_reserved() / 2**30}
     print(f"{name}: GPU memory after the warm-up runs {warm_gib}", flush=True)
     doc = document(tok, args.context - 200)
