@@ -243,13 +243,21 @@ class CostBook:
         return regime, (*regime, budget)
 
     @staticmethod
-    def _nearest(table: dict[tuple, T], key: tuple, other: bool = False) -> tuple[T | None, bool]:
+    def _nearest(table: dict[tuple, T], key: tuple, other: bool = False, document: bool = False
+                 ) -> tuple[T | None, bool]:
         """The entry of `key` (unless `other`); else, and True (borrowed), that of the nearest kind alike in all but
-        prompt length and sampling: the same sampling first, then the nearest length; else None."""
+        prompt length and sampling: the same sampling first, then the nearest length; else None. For an acceptance
+        (`document`) the nearest length comes first: how well drafts match is the document's, whatever the sampling,
+        while a sampled step's cost is its sampling's."""
         if key in table and not other:
             return table[key], False
         alike = [k for k in table if k[:1] + k[3:] == key[:1] + key[3:] and k != key]
-        nearest = min(alike, key=lambda k: (k[2] != key[2], abs(k[1] - key[1])), default=None)
+
+        def distance(k: tuple) -> tuple:
+            length, sampling = abs(k[1] - key[1]), k[2] != key[2]
+            return (length, sampling) if document else (sampling, length)
+
+        nearest = min(alike, key=distance, default=None)
         return (table[nearest], True) if nearest is not None else (None, False)
 
     def estimates(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int,
@@ -275,7 +283,7 @@ class CostBook:
         levels = levels or Costs()
         e = Estimates(copy.deepcopy(Costs(levels.level2, level3, levels.overhead, {} if far else levels.samples,
                                           own.level3_samples, borrowed, levels.level2_ahead, levels.post)))
-        seen, far = self._nearest(self.acceptance, run)
+        seen, far = self._nearest(self.acceptance, run, document=True)
         for name in CARRIED:
             if (a := (seen or {}).get(name)) is not None:
                 setattr(e, name, carried(a, far))
@@ -283,7 +291,7 @@ class CostBook:
             known, far = self._nearest(self.drafting, (*run, name))
             d = e.level1[name] = Drafting(known.ms, samples=copy.deepcopy(known.samples)) if known and not far \
                 else Drafting(known.ms if known else None)
-            seen, far = self._nearest(self.acceptance, (*run, name))
+            seen, far = self._nearest(self.acceptance, (*run, name), document=True)
             for field_name, a in (seen or {}).items():
                 setattr(d, field_name, carried(a, far))
         return e

@@ -318,6 +318,22 @@ def test_a_sampled_run_that_observed_nothing_leaves_the_next_one_the_acceptance_
     assert book.estimates(True, 120_000, False, 4096, DRAFT).level1["model"].a1.rate == pytest.approx(seen.a1.rate)
 
 
+def test_a_first_sampled_run_on_a_document_starts_from_the_acceptance_greedy_runs_saw_on_it():
+    """The app's first sampled click on a document after greedy ones: prompt lookup's acceptance on this document
+    (greedy runs saw 0.08) stands in, not what the warm-up's short sampled run saw on its own text (0.8). Step costs
+    still come from the sampled kind first: a sampled row pays for its distribution."""
+    book, here, warm = CostBook(), Estimates(Costs(1.0, {1: 2.0})), Estimates(Costs(3.0, {1: 1.0}))
+    here.level1["ngram"], warm.level1["ngram"] = Drafting(), Drafting()
+    for _ in range(20):
+        here.level1["ngram"].shadowed(asked=6, proposed=6, accepted=0)
+        warm.level1["ngram"].shadowed(asked=6, proposed=6, accepted=5)
+    book.learn(False, 30_000, True, 4096, here)
+    book.learn(False, 600, False, 4096, warm)
+    first_sampled = book.estimates(False, 30_000, False, 4096, ["ngram"])
+    assert first_sampled.level1["ngram"].a13.rate < 0.3 < 0.7 < warm.level1["ngram"].a13.rate
+    assert first_sampled.costs.level2 == 3.0  # the sampled warm-up's level-2 cost, not the greedy one
+
+
 def test_a_fixed_triforce_run_gives_method_auto_the_acceptances_it_saw():
     """The warm-up's offloaded runs and Compare clicks of method triforce run a fixed hierarchy: what its levels
     accepted becomes the next auto run's prior, so that a first auto request does not start from the defaults."""
