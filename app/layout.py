@@ -103,7 +103,7 @@ def build_demo() -> gr.Blocks:
                                              label="Sample document", elem_id="sample")
                         upload = gr.File(label="…or upload a text, source-code, data, HTML or PDF file",
                                          file_types=list(SUPPORTED_SUFFIXES),
-                                         type="filepath")
+                                         type="filepath", elem_id="upload")
                         upload.data_model = UploadPayload
                         document = gr.Textbox(first.read() if first else "", label="Document (paste or edit)",
                                               lines=8, max_lines=8, elem_id="document")

@@ -1,6 +1,6 @@
 """Real-browser test: Playwright drives Debian's headless chromium as a first-time visitor would: the settings
-above the tabs, a run read as plain text and then with its overlays, a stopped run, a comparison, and the README's
-screenshot."""
+above the tabs, a run read as plain text and then with its overlays, a stopped run, a comparison, a source file
+uploaded, and the README's screenshot."""
 
 from __future__ import annotations
 
@@ -158,5 +158,12 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
         assert "0 %" not in ar_table
         page.wait_for_function("() => document.querySelector('#compare-costs').textContent.includes('autoregressive')")
         assert "time to first token" in page.text_content("#compare-bars")
+
+        page.get_by_role("tab", name="TriForce").click()
+        # a source file uploads as its text (the file box once refused .py as an invalid file type)
+        page.set_input_files("#upload input[type=file]", str(ROOT / "core" / "sampling.py"))
+        page.wait_for_function("() => document.querySelector('#document textarea').value.includes('def nucleus')",
+                               timeout=30_000)
+        assert "Invalid file type" not in page.content()
         assert not errors, errors
         browser.close()
