@@ -122,16 +122,20 @@ def profile_offload_part(args: argparse.Namespace, results: GpuResults) -> None:
     results.data["profile_offload_qwen25_15b"] = [profile_offload(c, SHAPES["qwen25_15b"]) for c in args.real_contexts]
 
 
+CHAIN = 8  # tokens level 2 drafts in the loop-against-chain timing
+
+
 def profile_draft(ctx: int, shape: dict, budget: int = 8192, steps: int = 8) -> dict:
     """A level-2 drafting step at a real shape taken apart, as TriForce.draft_level2 takes it one token at a time:
     the graph replay alone, then with the LM head, the sampling distributions (greedy, and temperature 0.6 / top-p
-    0.9) and the draw that brings the token to the host; a profile of `steps` sampled steps (wall against device
+    0.9) and the draw that brings the token to the host; a draft of CHAIN tokens a forward at a time against one
+    chained on the device (TriForce.draft_alone), per token; a profile of `steps` sampled steps (wall against device
     time, top kernels and host operators); each projection's GEMV against cuBLAS from a CUDA graph."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     from triton.testing import do_bench_cudagraph
     from core.config import GenerationConfig
-    from core.sampling import distributions, speculative_verify
+    from core.sampling import _draw, distributions, draw, speculative_verify
     model = random_model(shape)
     full = full_cache(model, ctx + 2048)
     fill_random(full, ctx)
@@ -147,11 +151,28 @@ def profile_draft(ctx: int, shape: dict, budget: int = 8192, steps: int = 8) -> 
         def logits() -> torch.Tensor:
             return level.head(level.states(seq, 1, len(seq), [7]))
 
+        def loop(cfg: GenerationConfig) -> None:  # level 2 drafting CHAIN tokens a forward at a time
+            drafted: list[int] = []
+            for _ in range(CHAIN):
+                hidden = level.states(seq, 1, len(seq), [7, *drafted])
+                drafted.append(_draw(distributions(level.head(hidden), cfg)[0], gen))
+
+        def chain(cfg: GenerationConfig) -> None:  # ... and as TriForce.draft_alone does, waiting once
+            hidden, ids = level.states(seq, 1, len(seq), [7]), []
+            for i in range(CHAIN):
+                if i:
+                    hidden = level.follow(ids[-1])
+                ids.append(draw(distributions(level.head(hidden), cfg)[0], gen))
+            level.settle(torch.cat(ids).tolist()[:-1])
+
         stages = {"replay": lambda: level.states(seq, 1, len(seq), [7]), "replay_head": logits}
         for mode, cfg in cfgs.items():
             stages[f"{mode}_distributions"] = lambda cfg=cfg: distributions(logits(), cfg)
             stages[f"{mode}_step"] = lambda cfg=cfg: speculative_verify([], None, distributions(logits(), cfg), gen)
         out["stage_ms"] = {name: sync_ms(fn, 30, 5) for name, fn in stages.items()}
+        for mode, cfg in cfgs.items():  # per token drafted
+            out["stage_ms"][f"{mode}_loop_token"] = sync_ms(lambda cfg=cfg: loop(cfg), 20, 3) / CHAIN
+            out["stage_ms"][f"{mode}_chain_token"] = sync_ms(lambda cfg=cfg: chain(cfg), 20, 3) / CHAIN
         print(out["stage_ms"], flush=True)
         step = stages["sampled_step"]
         torch.cuda.synchronize()

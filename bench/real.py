@@ -45,7 +45,8 @@ GREEDY_RUNS = [("triforce-model", {"method": "triforce", "drafter": "model"}),
                ("auto", {"method": "auto"})]
 SAMPLED_RUNS = [("triforce-model", {"method": "triforce", "drafter": "model"}),
                 ("triforce-ngram", {"method": "triforce", "drafter": "ngram"}), ("auto", {"method": "auto"}),
-                ("auto-no-ahead", {"method": "auto", "draft_ahead": "off"})]  # (offloaded only: on chip it is auto)
+                ("auto-no-ahead", {"method": "auto", "draft_ahead": "off"}),  # (offloaded only: on chip it is auto)
+                ("triforce-none", {"method": "triforce", "drafter": "none"})]  # after auto: it measures level 2 alone
 
 
 def text_of(kind: str, engine: Engine, tokens: int) -> str:
@@ -154,7 +155,7 @@ def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) ->
     c = e.costs
     return {"level1_ms": {name: d.ms for name, d in e.level1.items()},
             "offered": {name: d.offered.rate for name, d in e.level1.items()}, "level2_ms": c.level2,
-            "level2_ahead_ms": c.level2_ahead,
+            "level2_ahead_ms": c.level2_ahead, "level2_alone_ms": c.alone, "level2_alone_ahead_ms": c.alone_ahead,
             "overhead_ms": c.overhead, "level3_ms": {str(k): v for k, v in sorted(c.level3.items())},
             "a1": {name: run["level1_acceptance"] for name, run in runs.items()},
             "a2": runs["model"]["level2_acceptance"], "best_plan": top[0].name if top else None,

@@ -51,10 +51,10 @@ class Graphs:
         return model.ops.device_steps and cache.on_cuda and n <= DECODE_TOKENS and cache.replays() and \
             model.rotary.rope_type != "dynamic"
 
-    def step(self, model: Transformer, cache: KVCache, ids: list[int], n_rows: int, record: int, ops: TorchOps
+    def step(self, model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int, record: int, ops: TorchOps
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """model.step(ids, cache, n_rows, record, ops=ops) replayed from a graph (captured on first use of this
-        shape: a cache serves one level, so always with the same operators)."""
+        shape: a cache serves one level, so always with the same operators); `ids` on the host or the device."""
         cache.begin(len(ids))
         layouts, layout = self.by_cache.setdefault(cache, {}), cache.layout()
         graphs = layouts[layout] = layouts.pop(layout, {})
@@ -64,11 +64,11 @@ class Graphs:
         g = graphs.get(key)
         if g is None:
             t0 = time.perf_counter()
-            g = graphs[key] = _capture(model, cache, torch.tensor(ids, device=cache.device), n_rows, record, ops)
+            g = graphs[key] = _capture(model, cache, ids.to(cache.device, copy=True), n_rows, record, ops)
             torch.cuda.synchronize(cache.device)
             self.capture_s += time.perf_counter() - t0
         else:
-            g.ids.copy_(torch.tensor(ids), non_blocking=True)
+            g.ids.copy_(ids, non_blocking=True)
         g.graph.replay()
         cache.end()
         return g.hidden.clone(), list(g.queries)

@@ -100,7 +100,7 @@ class Level:
         outs, queries = [], []
         for a in range(0, len(new), piece):
             part = new[a:a + piece]
-            out, recorded = self._step(part, _overlap(a, len(part), len(new), n_last),
+            out, recorded = self._step(torch.tensor(part), _overlap(a, len(part), len(new), n_last),
                                        _overlap(a, len(part), len(new), record))
             outs.append(out)
             queries = [torch.cat(q, 1) for q in zip(queries, recorded)] if queries else recorded
@@ -110,13 +110,26 @@ class Level:
         self.forwards += 1
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _step(self, new: list[int], n_rows: int, record: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One forward of `new` after the cached tokens: replayed from a CUDA graph where one applies."""
-        if self.graphs is not None and self.graphs.applies(self.model, self.cache, len(new)):
-            return self.graphs.step(self.model, self.cache, new, n_rows, record, self.ops)
-        self.cache.begin(len(new))
-        return self.model.step(torch.tensor(new, device=self.model.device), self.cache, n_rows, record,
-                               ops=self.ops)
+    def follow(self, token: torch.Tensor) -> torch.Tensor:
+        """The normed hidden state [1, D] after one more token known only on the device (a [1] tensor): a level that
+        drafts alone feeds each token it draws straight back, so the host never waits for one. Its id joins
+        self.tokens once `settle` learns it."""
+        self.tokens.append(-1)  # a placeholder, matching no id, until settle
+        out, self.queries = self._step(token, 1, 0)
+        self.forwards += 1
+        return out
+
+    def settle(self, ids: list[int]) -> None:
+        """The ids of the last len(ids) tokens fed through `follow`, read back from the device."""
+        self.tokens[len(self.tokens) - len(ids):] = ids
+
+    def _step(self, ids: torch.Tensor, n_rows: int, record: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One forward of token ids [n] (on the host or the device) after the cached tokens: replayed from a CUDA
+        graph where one applies."""
+        if self.graphs is not None and self.graphs.applies(self.model, self.cache, len(ids)):
+            return self.graphs.step(self.model, self.cache, ids, n_rows, record, self.ops)
+        self.cache.begin(len(ids))
+        return self.model.step(ids.to(self.model.device), self.cache, n_rows, record, ops=self.ops)
 
     def prefill(self, ids: list[int], chunk: int, record: int = 0, stop: threading.Event | None = None
                 ) -> Iterator[int]:

@@ -34,6 +34,7 @@ WEIGH_MOST_MS = 160.0
 # and four of a plan that its first round already showed wrong (drafts level 3 rejects) cost over a second.
 SETTLE_MS = 200.0
 GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 31)  # the draft lengths weighed (all of 1-31: more cost than use)
+CHAIN_GAMMA = 4  # the draft length of the round that measures level 2 drafting alone
 MAX_SWITCHES = 6  # per run, once the costs are measured
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
 # ... and at most this many behind one that a run of the same kind observed: a second click on a document starts
@@ -109,12 +110,14 @@ RECENT = 9
 
 @dataclass
 class Costs:
-    """Measured milliseconds of levels 2 and 3 (None until seen): a level-2 forward, a level-3 forward by its number
-    of new tokens (its pass over the cache, then its head, distributions and verification), the per-round overhead
-    of keeping level 2's cache in step, a level-2 forward made while level 3's pass runs beside it (drafting ahead:
-    the two share the device), and what follows that pass (`post`: level 3's head, distributions and verification,
-    which drafting ahead cannot hide). Each is the low median of its RECENT latest samples: `samples` holds them by
-    figure name, `level3_samples` by rows."""
+    """Measured milliseconds of levels 2 and 3 (None until seen): a level-2 forward checking level 1, a level-3
+    forward by its number of new tokens (its pass over the cache, then its head, distributions and verification),
+    the per-round overhead of keeping level 2's cache in step, a level-2 forward made while level 3's pass runs beside
+    it (drafting ahead: the two share the device), what follows that pass (`post`: level 3's head, distributions and
+    verification, which drafting ahead cannot hide), and a level-2 forward when level 2 drafts alone, by itself and
+    beside the pass (`alone`: its forwards chain on the device, TriForce.draft_alone; on the real Qwen pair 25 %
+    cheaper than those that wait for a check of level 1). Each is the low median of its RECENT latest samples:
+    `samples` holds them by figure name, `level3_samples` by rows."""
 
     level2: float | None = None
     level3: dict[int, float] = field(default_factory=dict)
@@ -124,6 +127,21 @@ class Costs:
     borrowed: bool = False  # level3 was measured at another prompt length: its first measurement here rescales it
     level2_ahead: float | None = None  # until measured, a plan drafting ahead expects level 2's own speed
     post: float = 0.0
+    alone: float | None = None
+    alone_ahead: float | None = None
+
+    def level2_step(self, alone: bool) -> tuple[float | None, float | None]:
+        """A level-2 forward's milliseconds by itself and beside level 3's pass, checking level 1 or drafting
+        `alone`. A kind not measured yet borrows the other kind's figures (a forward that checks level 1 costs at
+        least one that does not), and a forward beside the pass not measured yet its own speed, slowed as the other
+        kind's was."""
+        own, other = ((self.alone, self.alone_ahead), (self.level2, self.level2_ahead)) if alone else \
+            ((self.level2, self.level2_ahead), (self.alone, self.alone_ahead))
+        step = own[0] if own[0] is not None else other[0]
+        if step is None or own[1] is not None:
+            return step, own[1] if own[1] is not None else step
+        slowed = other[1] / other[0] if None not in other else 1.0
+        return step, step * slowed
 
     def verify(self, rows: int) -> float | None:
         """A level-3 forward over `rows` new tokens: measured, else linear through the nearest measured sizes, or
@@ -146,19 +164,23 @@ class Costs:
         return max(ca, cb, cb + (cb - ca) * (rows - b) / (b - a))
 
     def observe(self, level2_forwards: int, level2_ms: float, level3_rows: int, level3_ms: float,
-                overhead_ms: float, ahead_forwards: int = 0, ahead_ms: float = 0.0, post_ms: float | None = None
-                ) -> None:
+                overhead_ms: float, ahead_forwards: int = 0, ahead_ms: float = 0.0, post_ms: float | None = None,
+                alone: bool = False) -> None:
         """One round's measurements: level 2's time for its forwards (those it drafted ahead, beside level 3's pass,
-        apart), the level-3 forward over `level3_rows` new tokens (`post_ms` of it after its pass, where level 2
+        apart; `alone`: it drafted without level 1), the level-3 forward over `level3_rows` new tokens (`post_ms` of it after its pass, where level 2
         drafted ahead), and the round's overhead. A step size's first use
         may pay one-time work (a kernel module loaded, a cuBLAS heuristic, an allocation: 0.2 s once on a 16-row step
         of the real pair offloaded, twelve times a pass), so its first sample stands only where the other sizes do not
         predict it (by interpolation, or beyond the largest); else the prediction holds until a second sample, of two
         the lower, replaces it. Taken as it came, that one sample had priced the size, and every larger one
         extrapolated from it, out of the plans for good."""
-        if level2_forwards:
+        if level2_forwards and alone:
+            self.alone = _sample(self.samples, "alone", level2_ms / level2_forwards)
+        elif level2_forwards:
             self.level2 = _sample(self.samples, "level2", level2_ms / level2_forwards)
-        if ahead_forwards:
+        if ahead_forwards and alone:
+            self.alone_ahead = _sample(self.samples, "alone_ahead", ahead_ms / ahead_forwards)
+        elif ahead_forwards:
             self.level2_ahead = _sample(self.samples, "level2_ahead", ahead_ms / ahead_forwards)
         if level2_forwards or ahead_forwards:
             self.overhead = _sample(self.samples, "overhead", overhead_ms)
@@ -175,7 +197,8 @@ class Costs:
 
     def figures(self) -> list[float]:
         """Every cost measured, in milliseconds."""
-        return [ms for ms in (self.level2, self.level2_ahead, *self.level3.values()) if ms is not None]
+        return [ms for ms in (self.level2, self.level2_ahead, self.alone, self.alone_ahead, *self.level3.values())
+                if ms is not None]
 
 
 @dataclass
@@ -282,7 +305,8 @@ class CostBook:
         levels, far = self._nearest(self.levels, run)
         levels = levels or Costs()
         e = Estimates(copy.deepcopy(Costs(levels.level2, level3, levels.overhead, {} if far else levels.samples,
-                                          own.level3_samples, borrowed, levels.level2_ahead, levels.post)))
+                                          own.level3_samples, borrowed, levels.level2_ahead, levels.post,
+                                          levels.alone, levels.alone_ahead)))
         seen, far = self._nearest(self.acceptance, run, document=True)
         for name in CARRIED:
             if (a := (seen or {}).get(name)) is not None:
@@ -305,9 +329,10 @@ class CostBook:
         full = self.level3.setdefault(regime, Costs())
         full.level3.update(costs.level3)
         full.level3_samples.update(copy.deepcopy(costs.level3_samples))
-        if costs.level2 is not None:
+        if costs.level2 is not None or costs.alone is not None:
             self.levels[run] = Costs(costs.level2, overhead=costs.overhead, samples=copy.deepcopy(costs.samples),
-                                     level2_ahead=costs.level2_ahead, post=costs.post)  # level 3: self.level3
+                                     level2_ahead=costs.level2_ahead, post=costs.post, alone=costs.alone,
+                                     alone_ahead=costs.alone_ahead)  # level 3: self.level3
         observed = {name: copy.copy(a) for name in CARRIED if (a := getattr(e, name)).verified > PRIOR_WEIGHT}
         if observed:  # (a guess is counted only after level 3 verified a whole draft: never without a2)
             self.acceptance[run] = observed
@@ -366,14 +391,15 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
     c = e.costs
     verify = c.verify(h.gamma2 + 1)
     d = e.level1.get(h.level1)
-    if verify is None or (h.level1 and (d is None or d.ms is None)) or (h.level2 and c.level2 is None):
+    step, beside = c.level2_step(alone=not h.level1)
+    if verify is None or (h.level1 and (d is None or d.ms is None)) or (h.level2 and step is None):
         return None
     if not h.gamma2:
         return 1.0 / verify if verify > 0 else None
     if h.level2:  # level 2 makes γ2 tokens, each level-2 forward checking γ1 level-1 tokens when level 1 drafts
         per_forward = expected_tokens(d.a1.rate, d.offered.rate * h.gamma1) if d else 1.0
         level1 = h.gamma1 * d.ms if d else 0.0  # level 1's drafting for one level-2 forward
-        forward = c.level2 + level1
+        forward = step + level1
         drafting = h.gamma2 * forward / per_forward
         if not h.ahead:
             return expected_tokens(e.a2.rate, h.gamma2) / (drafting + verify + c.overhead)
@@ -381,7 +407,6 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
         # the next round after it, at the speed it drafts beside level 3's pass: that draft stands when level 3
         # accepts every draft and then emits the guess, so a round drafts for itself, alone, only otherwise. Level
         # 3's head, distributions and verification wait for both the pass and the drafting.
-        beside = c.level2_ahead if c.level2_ahead is not None else c.level2
         ahead = beside + drafting * (beside + level1) / forward
         kept = e.a2.rate ** h.gamma2 * e.guess.rate
         round_ms = (1.0 - kept) * drafting + max(verify, ahead + c.post) + c.overhead
@@ -430,6 +455,7 @@ class Planner:
     streamed: bool = False
     level2: bool = True
     ahead: bool = False  # level 2 can draft the next round while level 3 verifies, at once: plans that do are weighed
+    chained: bool = False  # level 2 drafting alone chains its forwards on a GPU: a cost to measure apart
     fixed: Hierarchy | None = None  # the hierarchy of every round (method triforce): the planner then only records
     current: Hierarchy | None = None
     rounds: int = 0  # in the current plan
@@ -462,9 +488,11 @@ class Planner:
         first = self.drafters[0] if self.drafters else ""
         fullest = Hierarchy(first, self.level2, self.gamma1_max if first and self.level2 else 0, 1,
                             self.ahead and self.level2)
-        if (self.level2 and c.level2 is None) or (first and self.estimates.level1[first].ms is None) \
-                or not set(c.level3) - {1}:
+        if (self.level2 and c.level2_step(alone=not first)[0] is None) or \
+                (first and self.estimates.level1[first].ms is None) or not set(c.level3) - {1}:
             return self._set(fullest, "measuring what each level costs")
+        if self.chained and first and self.level2 and c.alone is None:  # (a one-forward draft chains nothing)
+            return self._set(Hierarchy("", True, 0, CHAIN_GAMMA, self.ahead), "measuring level 2 drafting alone")
         if 1 not in c.level3 and not self.streamed:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
         fresh = self.current is None or self.reason.startswith("measuring")  # else due (the first line)
@@ -508,10 +536,10 @@ class Planner:
         ar = rate(AUTOREGRESSIVE, e)
         parts = [f"expected {r / ar:.2f}× autoregressive" if ar else ""]
         full = c.verify(1)
-        if c.level2 is not None and full:
-            beside = f" ({c.level2_ahead / full:.0%} beside level 3's pass)" \
-                if h.ahead and c.level2_ahead is not None else ""
-            parts.append(f"a level-2 step costs {c.level2 / full:.0%} of a full one{beside}")
+        step, ahead = c.level2_step(alone=not h.level1)
+        if step is not None and full:
+            beside = f" ({ahead / full:.0%} beside level 3's pass)" if h.ahead else ""
+            parts.append(f"a level-2 step costs {step / full:.0%} of a full one{beside}")
         d = e.level1.get(h.level1 or (self.drafters[0] if self.drafters else ""))
         if d is not None and d.ms is not None and full:
             parts.append(f"a level-1 token {d.ms / full:.0%}")
@@ -539,7 +567,7 @@ class Planner:
         if level1_asked:
             self.estimates.level1[level1].timed(level1_asked, level1_ms)
         self.estimates.costs.observe(level2_forwards, level2_ms, level3_rows, level3_ms, overhead_ms, ahead_forwards,
-                                     ahead_ms, post_ms)
+                                     ahead_ms, post_ms, alone=not level1)
 
     def level1_checked(self, drafter: str, by: int, asked: int, proposed: int, accepted: int) -> None:
         """Drafter `drafter` was asked for `asked` tokens, proposed `proposed`, and level `by` (2, or 3 directly)

@@ -64,12 +64,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return agree(_draw(probs, generator))[0]
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from probs [V] by inverting its CDF at one uniform draw (float64: a zero-probability token
-    is never drawn; much cheaper than multinomial's exponential draw per token on a CPU)."""
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id drawn from probs [V], as a tensor [1] on probs' device (nothing waits for it), by inverting the
+    CDF at one uniform draw (float64: a zero-probability token is never drawn; much cheaper than multinomial's
+    exponential draw per token on a CPU)."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand(1, generator=generator, device=probs.device, dtype=torch.float64) * cdf[-1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1))
+    return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """draw's token id, on the host."""
+    return int(draw(probs, generator))
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,10 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 import core.triforce
+from core.config import GenerationConfig
+from core.events import Verdict
 from core.repetition import Repetition
-from tests.lossless import BIASED_DRAWS, DRAWS, GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
+from tests.lossless import BIASED_DRAWS, CFG, DRAWS, GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
 
 
@@ -112,3 +114,26 @@ def test_level_2_guesses_the_token_level_3_most_likely_emits(monkeypatch, one_th
                       draft_ahead="on")
     assert len(seen) >= 12
     assert all(token == likeliest for token, likeliest in seen)
+
+
+def test_level_2_drafting_alone_chained_on_the_device_drafts_what_its_loop_drafts(one_thread):
+    """Level 2 drafting alone feeds each token it draws straight into its next forward, waiting once a draft; with
+    repetition control on (it must see each id on the host) it drafts one forward at a time. Both verify the same
+    tokens with the same q, so every verdict of a sampled run matches, drafting ahead or not (the guess then leads
+    the chain); a chain that drew its tokens off the loop's random stream, or paired them with the wrong q, would
+    part from it within a few rounds."""
+    engine, prompt = tiny_engine()
+    made = kept = 0
+    with torch.no_grad():
+        for seed in range(12):
+            for ahead in ("on", "off"):
+                runs = []
+                for control in ({}, {"no_repeat_ngram_size": 64}):  # 64: no n-gram of a 16-token answer is banned
+                    cfg = GenerationConfig(**{**CFG, "drafter": "none", "max_new_tokens": 16, "gamma2": 4,
+                                              "draft_ahead": ahead, "reselect": "once", **control}, seed=seed)
+                    events = list(engine.generate_ids(prompt, cfg.validate()))
+                    runs.append([(e.level, e.proposed, e.accepted, e.token) for e in events if isinstance(e, Verdict)])
+                    made, kept = made + events[-1].stats.ahead_made, kept + events[-1].stats.ahead_kept
+                assert runs[0] == runs[1], (seed, ahead)
+                assert any(level == 2 for level, *_ in runs[0]) and any(a < len(p) for _, p, a, _ in runs[0])
+    assert 0 < kept < made

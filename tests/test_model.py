@@ -178,3 +178,27 @@ def test_level_3_projects_through_the_invariant_gemv_and_drafting_levels_through
         ops.linear(x, gate_up)
         assert calls[-1] == (32, 8)  # a plain projection: the GEMV in both
     assert invariant.drafting().drafting() is invariant.drafting() and TORCH.drafting() is TORCH
+
+
+def test_tokens_fed_on_the_device_join_a_level_once_settled_and_compute_what_host_ids_do():
+    """A level fed its own draws on the device (Level.follow) computes what it computes fed the same ids from the
+    host, and once their ids are settled it holds them as its sequence, so its next forward feeds only what is new
+    (a placeholder left in it would roll the cache back to there and feed the draft again)."""
+    from core.levels import Level
+    _, model = tiny_pair(tiny_config(layers=2))
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    draws = [17, 4, 61]
+    with torch.no_grad():
+        host = Level(model, full_cache(model, 64), [])
+        list(host.prefill(prompt[:-1], 16))
+        expected = host.logits(prompt + draws, 1)
+        device = Level(model, full_cache(model, 64), [])
+        list(device.prefill(prompt[:-1], 16))
+        device.states(prompt, 1)
+        for token in draws[:-1]:
+            device.follow(torch.tensor([token]))
+        got = device.head(device.follow(torch.tensor([draws[-1]])))
+        assert device.tokens[:len(prompt)] == prompt and len(device.tokens) == len(prompt) + len(draws)
+        device.settle(draws)
+        assert device.tokens == prompt + draws
+        torch.testing.assert_close(got, expected)

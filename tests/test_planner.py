@@ -16,7 +16,7 @@ from core.cuda_graphs import Graphs
 from core.drafters import NgramDrafter
 from core.events import Finished, PlanChosen
 from core.model import Transformer
-from core.planner import (AUTOREGRESSIVE, CARRIED_WEIGHT, MAX_SWITCHES, MIN_ROUNDS, PRIOR_WEIGHT, SETTLE_MS,
+from core.planner import (AUTOREGRESSIVE, CARRIED_WEIGHT, CHAIN_GAMMA, MAX_SWITCHES, MIN_ROUNDS, PRIOR_WEIGHT, SETTLE_MS,
                           WEIGH_EVERY_MS, WEIGH_MOST_MS, CostBook, Costs, Drafting, Estimate, Estimates, Hierarchy,
                           Planner, best, candidates, expected_tokens, prior, rate)
 from core.triforce import SHADOW_GAMMA
@@ -98,6 +98,43 @@ def test_drafting_ahead_is_weighed_with_what_level_2_costs_beside_level_3s_pass(
     c.observe(0, 0.0, 13, 1270.0, 0.5, ahead_forwards=4, ahead_ms=400.0)  # a round whose draft was made ahead
     c.observe(12, 60.0, 13, 1270.0, 0.5)  # a round that drafted alone
     assert (c.level2, c.level2_ahead) == (5.0, 100.0)
+
+
+def test_level_2_drafting_alone_is_priced_by_its_own_chained_forwards_measured_in_a_round_of_their_own():
+    """On a GPU level 2 drafting alone chains its forwards on the device, cheaper than forwards that wait for a check
+    of level 1 (the real Qwen pair offloaded: 2.7 ms each in that loop, 2.0 of them device work). Priced alike,
+    prompt lookup's few extra tokens a forward win; priced by what each kind costs, drafting alone does. Where
+    forwards chain, the planner measures them in a round drafting alone (a one-token measuring round chains nothing);
+    until then they borrow the other kind's figures, beside level 3's pass slowed as that kind was; a next run of
+    the kind starts from them."""
+    c = Costs(2.7, {9: 18.0, 13: 18.3})
+    c.level2_ahead = 3.2
+    e = Estimates(c, prior(0.95), {"ngram": Drafting(0.01, prior(0.2))}, guess=prior(0.8))
+    options = candidates(["ngram"], 2, 31, ahead=True)
+    (borrowed, r_borrowed) = best(options, e)
+    assert borrowed.level1 == "ngram"
+    c.alone = 2.0
+    assert c.level2_step(alone=True) == pytest.approx((2.0, 2.0 * 3.2 / 2.7))
+    (alone, r_alone) = best(options, e)
+    assert not alone.level1 and alone.level2 and r_alone > r_borrowed
+
+    for chained in (False, True):
+        p = Planner(Estimates(), ["ngram"], gamma1_max=2, gamma2_max=31, streamed=True, ahead=True, chained=chained)
+        first = p.choose()
+        assert first.level1 == "ngram" and p.reason.startswith("measuring")
+        p.observe("ngram", 2, 0.02, 2, 5.4, first.gamma2 + 1, 18.0, 0.5)
+        h = p.choose()
+        assert (h == Hierarchy("", True, 0, CHAIN_GAMMA, True)) == chained
+        assert p.reason.startswith("measuring") == chained
+    p.observe("", 0, 0.0, CHAIN_GAMMA, 4 * 2.0, CHAIN_GAMMA + 1, 18.2, 0.5, ahead_forwards=CHAIN_GAMMA + 1,
+              ahead_ms=(CHAIN_GAMMA + 1) * 2.4)
+    costs = p.estimates.costs
+    assert (costs.level2, costs.alone, costs.alone_ahead) == (2.7, 2.0, 2.4)
+    p.choose()
+    assert not p.reason.startswith("measuring")
+    book = CostBook()
+    book.learn(True, 30000, False, 8192, p.estimates)
+    assert book.estimates(True, 30000, False, 8192, ["ngram"]).costs.level2_step(alone=True) == (2.0, 2.4)
 
 
 def test_drafting_ahead_pays_what_follows_level_3s_pass_after_the_longer_of_pass_and_drafting():
