@@ -34,7 +34,8 @@ WEIGH_MOST_MS = 160.0
 # and four of a plan that its first round already showed wrong (drafts level 3 rejects) cost over a second.
 SETTLE_MS = 200.0
 GAMMAS = (1, 2, 3, 4, 6, 8, 10, 12, 15, 20, 25, 31)  # the draft lengths weighed (all of 1-31: more cost than use)
-CHAIN_GAMMA = 4  # the draft length of the round that measures level 2 drafting alone
+CHAIN_GAMMA = 4  # the draft length of the round that measures level 2 drafting alone ...
+CHAIN_WORTH = 0.5  # ... where a level-2 step checking level 1 costs less than this share of a full step
 MAX_SWITCHES = 6  # per run, once the costs are measured
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
 # ... and at most this many behind one that a run of the same kind observed: a second click on a document starts
@@ -491,7 +492,10 @@ class Planner:
         if (self.level2 and c.level2_step(alone=not first)[0] is None) or \
                 (first and self.estimates.level1[first].ms is None) or not set(c.level3) - {1}:
             return self._set(fullest, "measuring what each level costs")
-        if self.chained and first and self.level2 and c.alone is None:  # (a one-forward draft chains nothing)
+        # (a one-forward draft chains nothing; and where a level-2 step costs about a full one, as on small models
+        # on chip, no saving from chaining makes drafting alone pay, and measuring it there cost a sampled click of
+        # the served app at 8K more than half its speed)
+        if self.chained and first and self.level2 and c.alone is None and c.level2 < CHAIN_WORTH * c.verify(1):
             return self._set(Hierarchy("", True, 0, CHAIN_GAMMA, self.ahead), "measuring level 2 drafting alone")
         if 1 not in c.level3 and not self.streamed:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")

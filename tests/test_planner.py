@@ -104,7 +104,8 @@ def test_level_2_drafting_alone_is_priced_by_its_own_chained_forwards_measured_i
     """On a GPU level 2 drafting alone chains its forwards on the device, cheaper than forwards that wait for a check
     of level 1 (the real Qwen pair offloaded: 2.7 ms each in that loop, 2.0 of them device work). Priced alike,
     prompt lookup's few extra tokens a forward win; priced by what each kind costs, drafting alone does. Where
-    forwards chain, the planner measures them in a round drafting alone (a one-token measuring round chains nothing);
+    forwards chain and a level-2 step costs under half a full one, the planner measures them in a round drafting
+    alone (a one-token measuring round chains nothing);
     until then they borrow the other kind's figures, beside level 3's pass slowed as that kind was; a next run of
     the kind starts from them."""
     c = Costs(2.7, {9: 18.0, 13: 18.3})
@@ -118,14 +119,15 @@ def test_level_2_drafting_alone_is_priced_by_its_own_chained_forwards_measured_i
     (alone, r_alone) = best(options, e)
     assert not alone.level1 and alone.level2 and r_alone > r_borrowed
 
-    for chained in (False, True):
+    for chained, full in ((False, 18.0), (True, 5.0), (True, 18.0)):  # a level-2 step 2.7 ms
         p = Planner(Estimates(), ["ngram"], gamma1_max=2, gamma2_max=31, streamed=True, ahead=True, chained=chained)
         first = p.choose()
         assert first.level1 == "ngram" and p.reason.startswith("measuring")
-        p.observe("ngram", 2, 0.02, 2, 5.4, first.gamma2 + 1, 18.0, 0.5)
+        p.observe("ngram", 2, 0.02, 2, 5.4, first.gamma2 + 1, full, 0.5)
         h = p.choose()
-        assert (h == Hierarchy("", True, 0, CHAIN_GAMMA, True)) == chained
-        assert p.reason.startswith("measuring") == chained
+        measures = chained and full == 18.0  # not where level 2 costs over half a full step: it could not pay
+        assert (h == Hierarchy("", True, 0, CHAIN_GAMMA, True)) == measures
+        assert p.reason.startswith("measuring") == measures
     p.observe("", 0, 0.0, CHAIN_GAMMA, 4 * 2.0, CHAIN_GAMMA + 1, 18.2, 0.5, ahead_forwards=CHAIN_GAMMA + 1,
               ahead_ms=(CHAIN_GAMMA + 1) * 2.4)
     costs = p.estimates.costs
