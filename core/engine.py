@@ -252,8 +252,9 @@ class Engine:
         if cfg.method == "ar":
             return Autoregressive(target, ids, cfg, generator, out)
         drafters = self.drafters(plan, ids, generator)
+        shadowed = [name for name, drafter in drafters.items() if drafter.level is None]  # (TriForce.shadow)
         estimates = self.costs.estimates(plan.placement.offloaded, len(ids), cfg.is_greedy, cfg.budget,
-                                         list(drafters)) if cfg.method == "auto" else None
+                                         list(drafters), shadowed) if cfg.method == "auto" else None
         return TriForce(target, ids, self.memory.kept.queries, drafters, cfg, generator, out,
                         self.memory.retrieval_cache(plan), self.graphs, self.memory.index_device(plan), estimates)
 

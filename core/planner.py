@@ -284,14 +284,26 @@ class CostBook:
         nearest = min(alike, key=distance, default=None)
         return (table[nearest], True) if nearest is not None else (None, False)
 
+    def _lowest(self, key: tuple) -> dict[str, Estimate] | None:
+        """Of the acceptances a drafter showed in the two nearest kinds -- this document in the other sampling, this
+        sampling on the nearest other length -- the lower of each (None: neither)."""
+        kinds = [e for e in (self._nearest(self.acceptance, key, other=True, document=True)[0],
+                             self._nearest(self.acceptance, key, other=True)[0]) if e]
+        return {name: min((e[name] for e in kinds if name in e), key=lambda a: a.rate)
+                for name in set().union(*kinds)} if kinds else None
+
     def estimates(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int,
-                  drafters: Sequence[str] = ()) -> Estimates:
+                  drafters: Sequence[str] = (), shadowed: Sequence[str] = ()) -> Estimates:
         """What is known for a run of this kind with these level-1 drafters (a copy: the run's measurements go back
         through learn). What no run of this kind measured, the nearest kind's figures stand in for (_nearest),
         without their samples (the run's first measurements replace them); its level-3 sizes scaled by a size both
         lengths measured (an autoregressive run on the document, say), else by the run's first level-3
         measurement. A first auto run on a new document then starts as a second one would, instead of spending
-        rounds on measuring."""
+        rounds on measuring. A drafter the run measures in passing (`shadowed`: prompt lookup, TriForce.shadow)
+        borrows the lower of its acceptances in the two nearest kinds: how often an answer quotes the document
+        depends on the sampling too (random weights decoded greedily repeat themselves: prompt lookup's 0.98 there
+        had the served app's first sampled click at 8K start with it, at 0.93× AR), and a guess too low costs little
+        while the run measures the drafter without drafting with it."""
         regime, run = self._keys(offloaded, prompt_tokens, greedy, budget)
         own, near = self.level3.get(regime, Costs()), self._nearest(self.level3, regime, other=True)[0]
         level3, borrowed = dict(own.level3), False
@@ -317,6 +329,8 @@ class CostBook:
             d = e.level1[name] = Drafting(known.ms, samples=copy.deepcopy(known.samples)) if known and not far \
                 else Drafting(known.ms if known else None)
             seen, far = self._nearest(self.acceptance, (*run, name), document=True)
+            if far and name in shadowed:
+                seen = self._lowest((*run, name))
             for field_name, a in (seen or {}).items():
                 setattr(d, field_name, carried(a, far))
         return e
@@ -439,9 +453,11 @@ def best(options: list[Hierarchy], e: Estimates) -> tuple[Hierarchy, float] | No
 @dataclass
 class Planner:
     """One run's hierarchy, round by round. While costs are unmeasured it measures: a round of the fullest
-    hierarchy drafting one token, then an autoregressive one (unless the full cache is `streamed` from host memory: a
-    full step then costs what its copies do however few tokens it verifies, so the verification measured stands for an
-    AR step, which would cost a whole pass over the cache for one token). Then, once a plan has run MIN_ROUNDS rounds
+    hierarchy drafting one token, then, where level 2's forwards chain when it drafts alone (`chained`) and a
+    level-2 step costs under CHAIN_WORTH of a full one, a round of level 2 drafting alone, then an autoregressive one
+    (unless the full cache is `streamed` from host memory: a full step then costs what its copies do however few
+    tokens it verifies, so the verification measured stands for an AR step, which would cost a whole pass over the
+    cache for one token). Then, once a plan has run MIN_ROUNDS rounds
     (or SETTLE_MS of decoding) and weigh_every_ms have passed since it last looked, it weighs the candidates again and
     switches when another is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times (after that only back to
     autoregressive decoding, when the plan falls below it). A drafting plan is taken only when expected SWITCH_GAIN

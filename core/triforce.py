@@ -389,7 +389,7 @@ class TriForce:
         level2.settle(tokens[:-1])
         first = tokens.pop(0) if guess else None
         draft = Draft(tokens, q, ["level2"] * want, level2_s=clock(self.graphs) - t0, level2_forwards=want + guess,
-                      checks=[(0, 0)] * want, feature=hidden[0])
+                      feature=hidden[0])
         for token in tokens:
             yield Verdict(2, round_, [], 0, token, True)
         return first, draft

@@ -373,6 +373,25 @@ def test_a_first_sampled_run_on_a_document_starts_from_the_acceptance_greedy_run
     assert first_sampled.costs.level2 == 3.0  # the sampled warm-up's level-2 cost, not the greedy one
 
 
+def test_prompt_lookup_borrows_its_lower_acceptance_of_the_two_nearest_kinds_and_a_draft_model_its_document_s():
+    """Random weights decoded greedily repeat themselves, so prompt lookup matched 0.98 of greedy answers on a document
+    where sampled ones (the sampled warm-up on its own text) rarely quote it. Measured in passing by every run
+    (TriForce.shadow), prompt lookup borrows the lower of the two nearest kinds' figures, and a first sampled run does
+    not start by drafting with it; the draft model, measured only by drafting, borrows the document's."""
+    book = CostBook()
+    for greedy, length, accepted in ((True, 8000, 10), (False, 600, 0)):  # of 10 proposed, 20 times
+        e = Estimates(Costs(1.0, {1: 1.0}))
+        for name in ("ngram", "model"):
+            e.level1[name] = Drafting()
+            for _ in range(20):
+                e.level1[name].shadowed(asked=10, proposed=10, accepted=accepted)
+        book.learn(False, length, greedy, 1024, e)
+    first_sampled = book.estimates(False, 8000, False, 1024, ["model", "ngram"], shadowed=["ngram"])
+    assert first_sampled.level1["ngram"].a13.rate < 0.3 < 0.8 < first_sampled.level1["model"].a13.rate
+    greedy_again = book.estimates(False, 8000, True, 1024, ["model", "ngram"], shadowed=["ngram"])
+    assert greedy_again.level1["ngram"].a13.rate > 0.8  # its own kind's figure, not a borrowed one
+
+
 def test_a_fixed_triforce_run_gives_method_auto_the_acceptances_it_saw():
     """The warm-up's offloaded runs and Compare clicks of method triforce run a fixed hierarchy: what its levels
     accepted becomes the next auto run's prior, so that a first auto request does not start from the defaults."""
