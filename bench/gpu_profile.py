@@ -135,7 +135,7 @@ def profile_draft(ctx: int, shape: dict, budget: int = 8192, steps: int = 8) -> 
     from torch.profiler import profile as torch_profile
     from triton.testing import do_bench_cudagraph
     from core.config import GenerationConfig
-    from core.sampling import _draw, distributions, draw, speculative_verify
+    from core.sampling import distributions, draw, speculative_verify
     model = random_model(shape)
     full = full_cache(model, ctx + 2048)
     fill_random(full, ctx)
@@ -155,7 +155,7 @@ def profile_draft(ctx: int, shape: dict, budget: int = 8192, steps: int = 8) -> 
             drafted: list[int] = []
             for _ in range(CHAIN):
                 hidden = level.states(seq, 1, len(seq), [7, *drafted])
-                drafted.append(_draw(distributions(level.head(hidden), cfg)[0], gen))
+                drafted.append(int(draw(distributions(level.head(hidden), cfg)[0], gen)))  # a wait each
 
         def chain(cfg: GenerationConfig) -> None:  # ... and as TriForce.draft_alone does, waiting once
             hidden, ids = level.states(seq, 1, len(seq), [7]), []

@@ -168,21 +168,18 @@ class Costs:
                 overhead_ms: float, ahead_forwards: int = 0, ahead_ms: float = 0.0, post_ms: float | None = None,
                 alone: bool = False) -> None:
         """One round's measurements: level 2's time for its forwards (those it drafted ahead, beside level 3's pass,
-        apart; `alone`: it drafted without level 1), the level-3 forward over `level3_rows` new tokens (`post_ms` of it after its pass, where level 2
-        drafted ahead), and the round's overhead. A step size's first use
+        apart; `alone`: it drafted without level 1), the level-3 forward over `level3_rows` new tokens (`post_ms` of
+        it after its pass, where level 2 drafted ahead), and the round's overhead. A step size's first use
         may pay one-time work (a kernel module loaded, a cuBLAS heuristic, an allocation: 0.2 s once on a 16-row step
         of the real pair offloaded, twelve times a pass), so its first sample stands only where the other sizes do not
         predict it (by interpolation, or beyond the largest); else the prediction holds until a second sample, of two
         the lower, replaces it. Taken as it came, that one sample had priced the size, and every larger one
         extrapolated from it, out of the plans for good."""
-        if level2_forwards and alone:
-            self.alone = _sample(self.samples, "alone", level2_ms / level2_forwards)
-        elif level2_forwards:
-            self.level2 = _sample(self.samples, "level2", level2_ms / level2_forwards)
-        if ahead_forwards and alone:
-            self.alone_ahead = _sample(self.samples, "alone_ahead", ahead_ms / ahead_forwards)
-        elif ahead_forwards:
-            self.level2_ahead = _sample(self.samples, "level2_ahead", ahead_ms / ahead_forwards)
+        step, beside = ("alone", "alone_ahead") if alone else ("level2", "level2_ahead")  # fields and their samples
+        if level2_forwards:
+            setattr(self, step, _sample(self.samples, step, level2_ms / level2_forwards))
+        if ahead_forwards:
+            setattr(self, beside, _sample(self.samples, beside, ahead_ms / ahead_forwards))
         if level2_forwards or ahead_forwards:
             self.overhead = _sample(self.samples, "overhead", overhead_ms)
         if post_ms is not None:
@@ -284,14 +281,6 @@ class CostBook:
         nearest = min(alike, key=distance, default=None)
         return (table[nearest], True) if nearest is not None else (None, False)
 
-    def _lowest(self, key: tuple) -> dict[str, Estimate] | None:
-        """Of the acceptances a drafter showed in the two nearest kinds -- this document in the other sampling, this
-        sampling on the nearest other length -- the lower of each (None: neither)."""
-        kinds = [e for e in (self._nearest(self.acceptance, key, other=True, document=True)[0],
-                             self._nearest(self.acceptance, key, other=True)[0]) if e]
-        return {name: min((e[name] for e in kinds if name in e), key=lambda a: a.rate)
-                for name in set().union(*kinds)} if kinds else None
-
     def estimates(self, offloaded: bool, prompt_tokens: int, greedy: bool, budget: int,
                   drafters: Sequence[str] = (), shadowed: Sequence[str] = ()) -> Estimates:
         """What is known for a run of this kind with these level-1 drafters (a copy: the run's measurements go back
@@ -329,8 +318,8 @@ class CostBook:
             d = e.level1[name] = Drafting(known.ms, samples=copy.deepcopy(known.samples)) if known and not far \
                 else Drafting(known.ms if known else None)
             seen, far = self._nearest(self.acceptance, (*run, name), document=True)
-            if far and name in shadowed:
-                seen = self._lowest((*run, name))
+            if far and name in shadowed:  # ... and the same sampling's nearest length: the lower of each
+                seen = _lower(seen, self._nearest(self.acceptance, (*run, name))[0])
             for field_name, a in (seen or {}).items():
                 setattr(d, field_name, carried(a, far))
         return e
@@ -361,6 +350,12 @@ class CostBook:
         """Every cost the book holds, in milliseconds."""
         return [ms for costs in (*self.level3.values(), *self.levels.values()) for ms in costs.figures()] + \
             [d.ms for d in self.drafting.values() if d.ms is not None]
+
+
+def _lower(a: dict[str, Estimate], b: dict[str, Estimate] | None) -> dict[str, Estimate]:
+    """Two kinds' acceptances of one drafter, field by field the lower (a field one of them lacks: the other's)."""
+    b = b or {}
+    return {name: min((e[name] for e in (a, b) if name in e), key=lambda x: x.rate) for name in {*a, *b}}
 
 
 def _sample(windows: dict, figure: str | int, ms: float) -> float:

@@ -16,8 +16,8 @@ from core.cuda_graphs import Graphs
 from core.drafters import NgramDrafter
 from core.events import Finished, PlanChosen
 from core.model import Transformer
-from core.planner import (AUTOREGRESSIVE, CARRIED_WEIGHT, CHAIN_GAMMA, MAX_SWITCHES, MIN_ROUNDS, PRIOR_WEIGHT, SETTLE_MS,
-                          WEIGH_EVERY_MS, WEIGH_MOST_MS, CostBook, Costs, Drafting, Estimate, Estimates, Hierarchy,
+from core.planner import (AUTOREGRESSIVE, CARRIED_WEIGHT, CHAIN_GAMMA, MAX_SWITCHES, MIN_ROUNDS, PRIOR_WEIGHT,
+                          SETTLE_MS, WEIGH_EVERY_MS, WEIGH_MOST_MS, CostBook, Costs, Drafting, Estimate, Estimates, Hierarchy,
                           Planner, best, candidates, expected_tokens, prior, rate)
 from core.triforce import SHADOW_GAMMA
 from tests.lossless import CFG, GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
