@@ -1,5 +1,6 @@
 """Triton kernels for CUDA decoding: split-K (flash-decoding) attention over a static cache read in place, a GEMV
-for the few rows of a decode step, RMSNorm, RoPE (+ cache store), SwiGLU and the chunk gather, in one launch each.
+for the few rows of a decode step (and one for a drafting level's one-token steps, with RMSNorm or SwiGLU folded in),
+RMSNorm, RoPE (+ cache store), SwiGLU and the chunk gather, in one launch each.
 Imported lazily by core.ops.ops_for: CPU machines never need Triton."""
 
 from __future__ import annotations
@@ -231,9 +232,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                for bn, bk, w, s in ((16, 128, 4, 4), (32, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3),
-                                     (32, 256, 4, 4), (32, 256, 4, 5), (32, 512, 4, 4), (32, 256, 8, 4),
-                                     (64, 128, 4, 4), (64, 256, 8, 3))]
+                for bn, bk, w, s in ((16, 64, 4, 4), (32, 64, 4, 4), (16, 128, 4, 4), (32, 128, 4, 4),
+                                     (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 256, 4, 5),
+                                     (32, 512, 4, 4), (32, 256, 8, 4), (64, 128, 4, 4), (64, 256, 8, 3))]
 
 
 @triton.jit
@@ -292,6 +293,63 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     rows = next(b for b in GEMV_BLOCKS if m <= b)
     flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=out is not None and accumulate, BLOCK_M=rows)
     _gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    return y
+
+
+@triton.jit
+def _gemv_one_kernel(X, W, B, G, Y, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr, ADD_TO_Y: tl.constexpr,
+                     NORM: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[n] (+)= sum_k x[k] W[n, k] (+ B[n]) for one row x, on the CUDA cores (no tensor-core tile to pad to 16
+    rows), so that work on x is done once, not for 16 rows: NORM RMS-norms x on the way in (weight G; the scale
+    1 / rms(x), the same for every k, is applied once at the end), SWIGLU takes x as [gate | up] of 2K and
+    multiplies by silu(gate) * up. A drafting level's one-token steps: its result need not match a many-token step's."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    squares = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if SWIGLU:
+            x = x * tl.sigmoid(x) * tl.load(X + K + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x = x * tl.load(G + kk, mask=kk < K, other=0.0).to(tl.float32)
+        w = tl.load(W + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < N) & (kk[None, :] < K),
+                    other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if NORM:
+        y *= tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    ok = cols < N
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=ok, other=0.0).to(tl.float32)
+    if ADD_TO_Y:
+        y += tl.load(Y + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=ok)
+
+
+GEMV_ONE_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                    for bn, bk, w, s in ((4, 256, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3),
+                                         (16, 128, 4, 4), (4, 512, 4, 3), (8, 1024, 8, 2), (16, 512, 8, 3),
+                                         (32, 256, 8, 3), (2, 1024, 4, 3))]
+_gemv_one_tuned = triton.autotune(GEMV_ONE_CONFIGS, key=["N", "K", "NORM", "SWIGLU"], restore_value=["Y"],
+                                  do_bench=_graph_bench)(_gemv_one_kernel)
+
+
+def gemv_one(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False
+             ) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T (+ bias) on the CUDA cores, into a new [1, N] tensor or added into `out` [1, N]:
+    `norm` (weight, eps) RMS-norms x first, `swiglu` takes x [1, 2K] as [gate | up]."""
+    k = x.shape[-1] // (2 if swiglu else 1)
+    n = weight.shape[0]
+    x = x.contiguous()
+    y = out if out is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (weight, 0.0)
+    _gemv_one_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+        x, weight, bias if bias is not None else weight, norm_weight, y, n, k, weight.stride(0), eps,
+        HAS_BIAS=bias is not None, ADD_TO_Y=out is not None, NORM=norm is not None, SWIGLU=swiglu)
     return y
 
 

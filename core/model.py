@@ -164,16 +164,16 @@ class Attention(nn.Module):
         self.wqkv: torch.Tensor | None = None  # fused q/k/v weight (Transformer.fuse_projections)
         self.bqkv: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, step: Step, layer: int, ops: TorchOps
-                ) -> torch.Tensor:
-        """residual + attention output of x [..., n, dim]."""
+    def forward(self, x: torch.Tensor, norm: RMSNorm, step: Step, layer: int, ops: TorchOps) -> torch.Tensor:
+        """x + attention output of norm(x), x [..., n, dim]."""
         lead = x.shape[:-1]
         a = self.args
         if self.wqkv is not None:
             sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
-            q, k, v = ops.linear(x, self.wqkv, self.bqkv).split(sizes, dim=-1)
+            q, k, v = ops.normed_linear(x, norm.weight, norm.eps, self.wqkv, self.bqkv).split(sizes, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            h = norm(x, ops)
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         q = q.view(*lead, a.n_heads, a.head_dim)
         k = k.view(*lead, a.n_kv_heads, a.head_dim)
         v = v.view(*lead, a.n_kv_heads, a.head_dim)
@@ -189,7 +189,7 @@ class Attention(nn.Module):
                 rows = q[:, -step.record:]
                 step.queries.append(rows.reshape(a.n_kv_heads, -1, *rows.shape[1:]).sum(1))
         out = out.transpose(-3, -2).reshape(*lead, a.n_heads * a.head_dim)
-        return ops.linear_add(residual, out, self.o_proj.weight, self.o_proj.bias)
+        return ops.linear_add(x, out, self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -202,13 +202,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
         self.w13: torch.Tensor | None = None  # fused gate/up weight (Transformer.fuse_projections)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        """residual + feed-forward output of x [..., n, dim]."""
-        if self.w13 is None:
-            hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        else:
-            hidden = ops.swiglu(x, self.w13)
-        return ops.linear_add(residual, hidden, self.down_proj.weight)
+    def forward(self, x: torch.Tensor, norm: RMSNorm, ops: TorchOps) -> torch.Tensor:
+        """x + feed-forward output of norm(x), x [..., n, dim]."""
+        if self.w13 is not None:
+            return ops.mlp(x, norm.weight, norm.eps, self.w13, self.down_proj.weight)
+        h = norm(x, ops)
+        return ops.linear_add(x, F.silu(self.gate_proj(h)) * self.up_proj(h), self.down_proj.weight)
 
 
 class Block(nn.Module):
@@ -222,8 +221,8 @@ class Block(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor, step: Step, layer: int, ops: TorchOps) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(x, ops), x, step, layer, ops)
-        return self.mlp(self.post_attention_layernorm(x, ops), x, ops)
+        x = self.self_attn(x, self.input_layernorm, step, layer, ops)
+        return self.mlp(x, self.post_attention_layernorm, ops)
 
 
 class Fusion(nn.Module):

@@ -104,9 +104,16 @@ class TorchOps:
         """Float32 logits x @ weight.T of the LM head."""
         return F.linear(x, weight).float()
 
-    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of x @ gate_up.T (gate rows first)."""
-        return self.silu_mul(F.linear(x, gate_up))
+    def normed_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm(x) @ weight.T (+ bias): a pre-norm layer's first projection, one op so that it may be one kernel."""
+        return self.linear(self.rms_norm(x, norm_weight, eps), weight, bias)
+
+    def mlp(self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+        """residual + the SwiGLU feed-forward of rms_norm(residual): down(silu(gate) * up), gate rows first."""
+        hidden = self.silu_mul(self.linear(self.rms_norm(residual, norm_weight, eps), gate_up))
+        return self.linear_add(residual, hidden, down)
 
     def drafting(self) -> TorchOps:
         """The operators for a level whose output is only a draft (levels 1 and 2): no need to compute a row of a
@@ -153,9 +160,9 @@ class TritonOps(TorchOps):
     """CUDA decode steps through Triton kernels: split-K attention over the cache in place (lengths read from device
     memory), fused RoPE + store, RMSNorm, SwiGLU, a GEMV for every projection and the LM head (adding into the
     residual where one follows), and a chunk gather. Each computes a row of a k-row step exactly as a 1-row step
-    (core.kernels says how), so greedy TriForce is token-identical to autoregressive decoding; the drafting levels
-    (`drafting()`) keep cuBLAS for the gate/up projection and the LM head. Longer inputs (prefill) keep cuBLAS and
-    SDPA."""
+    (core.kernels says how), so greedy TriForce is token-identical to autoregressive decoding. The drafting levels'
+    operators (`drafting()`) need no such match: their one-token steps fold each RMSNorm into the projection after
+    it and SwiGLU into the down projection (core.kernels.gemv_one). Longer inputs (prefill) keep cuBLAS and SDPA."""
 
     name = "triton"
     device_steps = True
@@ -163,11 +170,15 @@ class TritonOps(TorchOps):
     def __init__(self, kernels: ModuleType, gemv: bool = True, invariant: bool = True):
         self.k = kernels
         self.gemv = gemv  # False: cuBLAS projections (TRIFORCE_GEMV=0), to compare
-        self.invariant = invariant  # the gate/up projection and the LM head through the GEMV too (else cuBLAS)
+        self.invariant = invariant  # False: a drafting level's (its one-token steps through fused kernels)
         self._drafting: TritonOps | None = None
 
     def _gemv(self, x: torch.Tensor) -> bool:
         return self.gemv and x.dim() == 2 and x.shape[0] <= DECODE_TOKENS
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether x is a drafting level's one-token step (the fused kernels' case)."""
+        return not self.invariant and self._gemv(x) and x.shape[0] == 1
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.k.rms_norm(x, weight, eps)
@@ -180,13 +191,24 @@ class TritonOps(TorchOps):
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A decode step's logits from the GEMV, accumulated and written in float32 (no bf16 rounding of them)."""
-        if not (self.invariant and self._gemv(x)):
+        if not self._gemv(x):
             return super().logits(x, weight)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
         return self.k.gemv(x, weight, None, out, accumulate=False)
 
-    def swiglu(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.silu_mul(self.linear(x, gate_up)) if self.invariant else super().swiglu(x, gate_up)
+    def normed_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._fused(x):
+            return self.k.gemv_one(x, weight, bias, norm=(norm_weight, eps))
+        return super().normed_linear(x, norm_weight, eps, weight, bias)
+
+    def mlp(self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+        """Fused: two kernels, the norm riding in the gate/up projection and SwiGLU in the down one (not four)."""
+        if self._fused(residual):
+            hidden = self.k.gemv_one(residual, gate_up, norm=(norm_weight, eps))
+            return self.k.gemv_one(hidden, down, out=residual, swiglu=True)
+        return super().mlp(residual, norm_weight, eps, gate_up, down)
 
     def drafting(self) -> TorchOps:
         if not self.invariant:

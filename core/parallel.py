@@ -102,6 +102,12 @@ class ParallelOps:
         inner = self.inner.drafting()
         return self if inner is self.inner else ParallelOps(inner, self.group)
 
+    def mlp(self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+        """The feed-forward composed of inner's operators as TorchOps composes it (no fused down projection: its
+        partial sums must meet before the residual)."""
+        return TorchOps.mlp(self, residual, norm_weight, eps, gate_up, down)
+
     def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """residual + the group's sum of x @ weight.T (+ bias)."""

@@ -309,6 +309,32 @@ def test_gemv_matches_float64_and_cublas(triton, case):
     assert_small(gemv_errors(triton, *case))
 
 
+def fused_errors(ops: TritonOps, dim: int, hidden: int) -> dict[str, float]:
+    """A drafting level's one-token step through the fused kernels: the norm folded into the q/k/v projection (with
+    its bias), and the feed-forward as two kernels (norm into gate/up, SwiGLU into down, added to the residual), vs
+    float64 and TorchOps. The feed-forward's output is large beside the residual, so that its error is not hidden
+    in the rounding of their sum."""
+    g = torch.Generator(DEV).manual_seed(dim)
+    x, norm = randn(1, dim, g=g), 1.0 + randn(dim, g=g) / 4
+    wqkv, bqkv = randn(dim + 256, dim, g=g) / dim ** 0.5, randn(dim + 256, g=g)
+    gate_up, down = randn(2 * hidden, dim, g=g) / dim ** 0.5, randn(dim, hidden, g=g) * 4 / hidden ** 0.5
+    x64 = x.double()
+    normed64 = norm.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    gate, up = (normed64 @ gate_up.double().T).chunk(2, -1)
+    mlp64 = x64 + (F.silu(gate) * up) @ down.double().T
+    drafting = ops.drafting()
+    qkv = drafting.normed_linear(x, norm, 1e-6, wqkv, bqkv)
+    mlp = drafting.mlp(x.clone(), norm, 1e-6, gate_up, down)
+    return {"qkv_float64": rel(qkv, normed64 @ wqkv.double().T + bqkv.double()),
+            "qkv_vs_torch": rel(qkv, TORCH.normed_linear(x, norm, 1e-6, wqkv, bqkv)),
+            "mlp_float64": rel(mlp, mlp64), "mlp_vs_torch": rel(mlp, TORCH.mlp(x.clone(), norm, 1e-6, gate_up, down))}
+
+
+@pytest.mark.parametrize("shape", [(1536, 8960), (576, 1536)])
+def test_a_drafting_one_token_step_folds_the_norm_and_swiglu_into_its_projections(triton, shape):
+    assert_small(fused_errors(triton, *shape))
+
+
 def test_gemv_is_tuned_once_per_weight_shape(triton):
     """Every step size up to the kernel's rows reuses one tuning of a projection: none is paid mid-run."""
     from core import kernels

@@ -151,10 +151,11 @@ def test_row_wise_cpu_ops_compute_each_row_as_a_one_row_input():
             assert torch.equal(act[i], TORCH.silu_mul(gate_up[i:i + 1])[0])
 
 
-def test_level_3_projects_through_the_invariant_gemv_and_drafting_levels_through_cublas():
-    """TritonOps (here over a stand-in for core.kernels that records its calls): the gate/up projection and the LM
-    head of a decode step go to the GEMV, whose rows do not depend on the row count, unless the operators are the
-    drafting ones (levels 1 and 2), which keep cuBLAS for them; the other projections take the GEMV either way."""
+def test_decode_steps_project_through_the_gemv_and_a_drafting_level_s_one_token_steps_through_fused_kernels():
+    """TritonOps (here over a stand-in for core.kernels that records its calls): a decode step's projections, the
+    LM head included, go to the GEMV, whose rows do not depend on the row count, with RMSNorm and SwiGLU kernels of
+    their own; the drafting operators (levels 1 and 2) do the same for several tokens, but a one-token step folds
+    each norm into the projection after it and SwiGLU into the down projection. All compute what TorchOps does."""
     from types import SimpleNamespace
 
     from core.ops import TritonOps
@@ -162,21 +163,31 @@ def test_level_3_projects_through_the_invariant_gemv_and_drafting_levels_through
     calls = []
 
     def gemv(x, weight, bias, out, accumulate=True):
-        calls.append(tuple(weight.shape))
+        calls.append(("gemv", weight.shape[0]))
         y = torch.nn.functional.linear(x, weight, bias)
         return y if out is None else out.copy_(y) if not accumulate else out.add_(y)
 
-    kernels = SimpleNamespace(gemv=gemv, silu_mul=lambda t: TORCH.silu_mul(t))
+    def gemv_one(x, weight, bias=None, out=None, norm=None, swiglu=False):
+        calls.append(("norm" if norm else "swiglu" if swiglu else "one", weight.shape[0]))
+        x = TORCH.rms_norm(x, *norm) if norm else TORCH.silu_mul(x) if swiglu else x
+        y = torch.nn.functional.linear(x, weight, bias)
+        return y if out is None else out.add_(y)
+
+    kernels = SimpleNamespace(gemv=gemv, gemv_one=gemv_one, silu_mul=TORCH.silu_mul, rms_norm=TORCH.rms_norm)
     invariant = TritonOps(kernels)
-    x, gate_up, head = torch.randn(3, 8), torch.randn(32, 8), torch.randn(50, 8)
-    for ops, through_gemv in ((invariant, True), (invariant.drafting(), False)):
+    g = torch.Generator().manual_seed(0)
+    norm, gate_up, down, qkv, head = (torch.randn(*s, generator=g) for s in ((8,), (32, 8), (8, 16), (24, 8), (50, 8)))
+    unfused = [("gemv", 32), ("gemv", 8), ("gemv", 24), ("gemv", 50)]
+    for ops, rows, expected in ((invariant, 1, unfused), (invariant.drafting(), 3, unfused),
+                                (invariant.drafting(), 1, [("norm", 32), ("swiglu", 8), ("norm", 24), ("gemv", 50)])):
         calls.clear()
-        torch.testing.assert_close(ops.swiglu(x, gate_up), TORCH.swiglu(x, gate_up))
+        x = torch.randn(rows, 8, generator=g)
+        torch.testing.assert_close(ops.mlp(x.clone(), norm, 1e-5, gate_up, down),
+                                   TORCH.mlp(x.clone(), norm, 1e-5, gate_up, down))
+        torch.testing.assert_close(ops.normed_linear(x, norm, 1e-5, qkv), TORCH.normed_linear(x, norm, 1e-5, qkv))
         logits = ops.logits(x, head)
         assert logits.dtype == torch.float32 and torch.allclose(logits, TORCH.logits(x, head), atol=1e-5)
-        assert calls == ([(32, 8), (50, 8)] if through_gemv else [])
-        ops.linear(x, gate_up)
-        assert calls[-1] == (32, 8)  # a plain projection: the GEMV in both
+        assert calls == expected
     assert invariant.drafting().drafting() is invariant.drafting() and TORCH.drafting() is TORCH
 
 
