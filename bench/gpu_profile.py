@@ -130,7 +130,8 @@ def profile_draft(ctx: int, shape: dict, budget: int = 8192, steps: int = 8) -> 
     the graph replay alone, then with the LM head, the sampling distributions (greedy, and temperature 0.6 / top-p
     0.9) and the draw that brings the token to the host; a draft of CHAIN tokens a forward at a time against one
     chained on the device (TriForce.draft_alone), per token; a profile of `steps` sampled steps (wall against device
-    time, top kernels and host operators); each projection's GEMV against cuBLAS from a CUDA graph."""
+    time, top kernels and host operators); each projection's GEMV against cuBLAS from a CUDA graph; a layer's
+    norm + q/k/v projection and feed-forward for one token as level 3 computes them and as a drafting level does."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     from triton.testing import do_bench_cudagraph
@@ -207,7 +208,17 @@ def profile_draft(ctx: int, shape: dict, budget: int = 8192, steps: int = 8) -> 
                                          "roofline_us": n * k * 2 / 4.8e12 * 1e6}
             del w
         out["gemv"] = gemvs
-        print(json.dumps(gemvs, indent=0), flush=True)
+        # a one-token step's pre-norm projections as level 3 computes them and as a drafting level does (fused)
+        block, x = model.layers[0], torch.randn(1, a.dim, device=DEV, dtype=BF16)
+        att, ffn, norm1, norm2 = block.self_attn, block.mlp, block.input_layernorm, block.post_attention_layernorm
+        fused = {}
+        for kind, ops in (("invariant", model.ops), ("drafting", model.ops.drafting())):
+            fused[f"norm_qkv_{kind}_us"] = 1e3 * do_bench_cudagraph(
+                lambda: ops.normed_linear(x, norm1.weight, norm1.eps, att.wqkv, att.bqkv), rep=50)
+            fused[f"mlp_{kind}_us"] = 1e3 * do_bench_cudagraph(
+                lambda: ops.mlp(x, norm2.weight, norm2.eps, ffn.w13, ffn.down_proj.weight), rep=50)
+        out["fused"] = fused
+        print(json.dumps(gemvs, indent=0), fused, flush=True)
     del level, rcache, full, model
     free()
     return out

@@ -36,8 +36,10 @@ def graph_us(fn, copies: int, n: int = 24) -> float:
     return round(sorted(ts)[5], 1)
 
 
+# q heads, kv heads, head dim, new tokens, cached keys, copies; the last two: the real 1.5B's level-2 retrieval cache
+# at a budget of 8,192 and its full cache at 30K
 ATTENTION_SHAPES = ((9, 3, 64, 1, 131072, 3), (9, 3, 64, 3, 4200, 30), (32, 32, 128, 1, 122880, 1),
-                    (32, 32, 128, 3, 4200, 8))  # q heads, kv heads, head dim, new tokens, cached keys, copies
+                    (32, 32, 128, 3, 4200, 8), (12, 2, 128, 1, 8300, 30), (12, 2, 128, 1, 30100, 10))
 GEMV_SHAPES = ((4096, 4096), (4096, 11008), (12288, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536),
                (2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (1152, 896), (896, 896), (9728, 896),
                (896, 4864))  # ... and the real Qwen2.5-Coder 1.5B / 0.5B pair's qkv, o, gate/up, down

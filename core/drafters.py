@@ -34,6 +34,7 @@ class Drafter(Protocol):
     name: str
     steps: int  # forwards of a draft model so far
     level: Level | None  # the draft model with its cache (None: no model drafts)
+    in_passing: bool  # cheap enough (no model) to be asked each round what it would have drafted (TriForce.shadow)
 
     def propose(self, seq: list[int], n: int, trusted: int, extra: Sequence[int] = (),
                 feature: torch.Tensor | None = None) -> Proposal: ...
@@ -62,6 +63,7 @@ class NgramDrafter:
     name = "ngram"
     steps = 0
     level = None
+    in_passing = True
 
     def __init__(self, max_n: int, prompt: Sequence[int] = ()):
         self.max_n = max_n
@@ -110,6 +112,7 @@ class ModelDrafter:
     (from level 2 or 3, which read the whole document) when the caller passes it."""
 
     name = "model"
+    in_passing = False
 
     def __init__(self, model: Transformer, cfg: GenerationConfig, prompt: list[int], vocab_size: int,
                  generator: torch.Generator, cache: StreamingCache, graphs: Graphs | None = None):

@@ -252,7 +252,7 @@ class Engine:
         if cfg.method == "ar":
             return Autoregressive(target, ids, cfg, generator, out)
         drafters = self.drafters(plan, ids, generator)
-        shadowed = [name for name, drafter in drafters.items() if drafter.level is None]  # (TriForce.shadow)
+        shadowed = [name for name, drafter in drafters.items() if drafter.in_passing]
         estimates = self.costs.estimates(plan.placement.offloaded, len(ids), cfg.is_greedy, cfg.budget,
                                          list(drafters), shadowed) if cfg.method == "auto" else None
         return TriForce(target, ids, self.memory.kept.queries, drafters, cfg, generator, out,

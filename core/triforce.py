@@ -261,7 +261,7 @@ class TriForce:
         accepts x. Checked only within a round, the proposals of one-token (autoregressive) rounds would show their
         first tokens alone, which a match's continuation predicts better than its later ones."""
         for name, drafter in self.drafters.items():
-            if drafter.level is not None:
+            if not drafter.in_passing:
                 continue
             if name == h.level1:  # its own round measured it; a proposal in passing starts afresh after
                 self.pending.pop(name, None)
@@ -324,12 +324,16 @@ class TriForce:
                 yield DraftProposal(round_, proposal.tokens, proposal.copied)
         return draft
 
+    def chained(self, level1: str) -> bool:
+        """Whether level 2, drafting with level-1 drafter `level1` ("": alone), chains its forwards (draft_alone)."""
+        return not level1 and self.chains
+
     def draft_level2(self, seq: list[int], committed: int, round_: int, feature: torch.Tensor | None, level1: str,
                      gamma1: int, want: int, prefix: Sequence[int] = ()) -> Generator[Event, None, Draft]:
         """Level 2 produces `want` tokens after seq + `prefix`, verifying up to `gamma1` proposals of drafter `level1`
         ("": none) per forward; yields events, returns the draft. `feature`: the hidden state that produced the last
         token, for a drafter that uses it."""
-        if not level1 and self.chains:
+        if self.chained(level1):
             return (yield from self.draft_alone(seq, committed, round_, want, prefix))[1]
         cfg, level2 = self.cfg, self.level2
         gamma1 = gamma1 if level1 else 0
@@ -410,7 +414,7 @@ class TriForce:
         all, and the next round's draft of `want` tokens after that guess. Exact like any draft: a round uses it
         only when seq grew by exactly draft + guess, and it is then what level 2 drafts after that sequence."""
         events: list[Event] = []
-        if not h.level1 and self.chains:  # the guess leads the chain
+        if self.chained(h.level1):  # the guess leads the chain
             token, after = _drain(self.draft_alone(seq, committed, round_, want, draft.tokens, guess=True), events)
             return Ahead(h, token, after, events, after.cost_with(Draft()))
         guess = self.guess(seq, committed, draft.tokens)
