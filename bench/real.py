@@ -6,9 +6,10 @@ acceptances at both levels; greedy runs of every method must be token-identical 
 `generate` is the oracle for AR once, in float32.
 
 python -m bench.real --target 1.5B.gguf --draft 0.5B.gguf [--contexts 8192 16384 30000] [--docs code prose needle]
-    [--new-tokens 128] [--repeats 1] [--parts onchip offload alone oracle anatomy]
+    [--new-tokens 128] [--repeats 1] [--parts onchip offload alone oracle anatomy] [--gammas 8 12 16 20 31]
 Writes bench/results/real-<gpu>-<date>.json (updated after every prompt) with summary.real and the real-pair keys
-of summary.planner.
+of summary.planner. `--gammas` adds sampled runs of level 2 drafting alone at each γ2, drafting ahead and not, each
+beside what the planner's cost model expected of it (`bound.gammas`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import gc
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -29,7 +31,7 @@ from bench.offload import h2d_gb_s
 from core import Engine, GenerationConfig
 from core.config import AUTO_GAMMA2
 from core.events import Finished, PlanChosen, StepTiming
-from core.planner import AUTOREGRESSIVE, best, candidates, prior, rate
+from core.planner import AUTOREGRESSIVE, Hierarchy, best, candidates, prior, rate
 from core.triforce import drafts_ahead
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +49,13 @@ SAMPLED_RUNS = [("triforce-model", {"method": "triforce", "drafter": "model"}),
                 ("triforce-ngram", {"method": "triforce", "drafter": "ngram"}), ("auto", {"method": "auto"}),
                 ("auto-no-ahead", {"method": "auto", "draft_ahead": "off"}),  # (offloaded only: on chip it is auto)
                 ("triforce-none", {"method": "triforce", "drafter": "none"})]  # after auto: it measures level 2 alone
+
+
+def gamma_runs(gammas: Sequence[int]) -> list[tuple[str, dict]]:
+    """Level 2 drafting alone at each γ2, drafting ahead (where the cache streams) and not."""
+    return [(f"none-g{g}{'' if ahead else '-no-ahead'}", {"method": "triforce", "drafter": "none", "gamma2": g,
+                                                          **({} if ahead else {"draft_ahead": "off"})})
+            for g in gammas for ahead in (True, False)]
 
 
 def text_of(kind: str, engine: Engine, tokens: int) -> str:
@@ -112,9 +121,10 @@ def usable(runs: list[tuple[str, dict]], engine: Engine, base: dict) -> list[tup
             and (base.get("offload") == "on" or "draft_ahead" not in c)]
 
 
-def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats: int = 1) -> dict:
-    """AR greedy and sampled, then every greedy and sampled method (sampled ones `repeats` times each), on one prompt
-    (the first run prefills)."""
+def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats: int = 1,
+                extra: Sequence[tuple[str, dict]] = ()) -> dict:
+    """AR greedy and sampled, then every greedy and sampled method (sampled ones `repeats` times each) and the
+    `extra` sampled runs, on one prompt (the first run prefills)."""
     out: dict = {"greedy": {}, "sampled": {}}
     ar_greedy = finish(engine, doc, instruction, GenerationConfig(method="ar", greedy=True, **base))
     out["greedy"]["ar"] = row(ar_greedy)
@@ -129,7 +139,7 @@ def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats:
             from core.compare import difference_note
             out["greedy"][name]["difference"] = difference_note(ar_greedy.token_ids, fin.token_ids,
                                                                 ar_greedy.stats.near_ties)
-    for name, settings in usable(SAMPLED_RUNS, engine, base):
+    for name, settings in usable(SAMPLED_RUNS + list(extra), engine, base):
         out["sampled"][name] = sampled_row(engine, doc, instruction, {**settings, **base}, repeats)
     out["greedy_identical"] = identical
     out["near_ties_ar"] = len(ar_greedy.stats.near_ties)
@@ -140,10 +150,12 @@ def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats:
     return out
 
 
-def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) -> dict:
+def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict, gammas: Sequence[int] = ()) -> dict:
     """What the planner's own cost model says the best plan could reach on this prompt: the step costs the engine's
     cost book holds for sampled runs of this kind (measured by the runs just made) and the acceptances the sampled
-    fixed-TriForce runs saw, with each drafter, every candidate weighed; beside the costs it used."""
+    fixed-TriForce runs saw, with each drafter, every candidate weighed; beside the costs it used, and what it expects
+    of each run of level 2 drafting alone at a fixed γ2 (`gamma_runs`) given that run's acceptance, beside what the
+    run measured."""
     runs = {name: sampled[f"triforce-{name}"] for name in ("model", "ngram") if f"triforce-{name}" in sampled}
     e = engine.costs.estimates(offloaded, prompt_tokens, False, runs["model"]["budget"], list(runs))
     e.a2 = prior(runs["model"]["level2_acceptance"])
@@ -152,6 +164,13 @@ def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) ->
     ar = rate(AUTOREGRESSIVE, e)
     ahead = drafts_ahead(GenerationConfig().draft_ahead, offloaded, engine.target.device)
     top = best(candidates(list(runs), GenerationConfig().gamma1, AUTO_GAMMA2, ahead=ahead), e)
+    expected = {}
+    for name, settings in gamma_runs(gammas):
+        if name in sampled:
+            e.a2 = prior(sampled[name]["level2_acceptance"])
+            h = Hierarchy("", True, 0, settings["gamma2"], ahead and "draft_ahead" not in settings)
+            expected[name] = {"expected": rate(h, e) / ar if ar else None, "measured": sampled[name]["speedup"]}
+    e.a2 = prior(runs["model"]["level2_acceptance"])
     c = e.costs
     return {"level1_ms": {name: d.ms for name, d in e.level1.items()},
             "offered": {name: d.offered.rate for name, d in e.level1.items()}, "level2_ms": c.level2,
@@ -159,7 +178,7 @@ def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict) ->
             "overhead_ms": c.overhead, "level3_ms": {str(k): v for k, v in sorted(c.level3.items())},
             "a1": {name: run["level1_acceptance"] for name, run in runs.items()},
             "a2": runs["model"]["level2_acceptance"], "best_plan": top[0].name if top else None,
-            "expected_speedup": top[1] / ar if top and ar else None}
+            "expected_speedup": top[1] / ar if top and ar else None, "gammas": expected}
 
 
 def sync() -> None:
@@ -257,6 +276,8 @@ def main() -> None:
                    choices=["onchip", "offload", "alone", "oracle", "anatomy"])
     p.add_argument("--repeats", type=int, default=1, help="runs of each sampled method (seeds 0, 1, ...): its speed is "
                    "that of all of them together")
+    p.add_argument("--gammas", type=int, nargs="*", default=[], help="γ2s at which to run level 2 drafting alone, "
+                   "drafting ahead and not, beside what the planner expects of each")
     p.add_argument("--name", default="real")
     args = p.parse_args()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"  # a CPU: a smoke test of the script
@@ -281,9 +302,9 @@ def main() -> None:
             for kind in args.docs:
                 doc = text_of(kind, engine, ctx)
                 base = dict(max_new_tokens=args.new_tokens, offload="on" if regime == "offload" else "off")
-                result = prompt_runs(engine, doc, INSTRUCTIONS[kind], base, args.repeats)
+                result = prompt_runs(engine, doc, INSTRUCTIONS[kind], base, args.repeats, gamma_runs(args.gammas))
                 result["bound"] = bound(engine, result["sampled"]["ar"]["prompt_tokens"], regime == "offload",
-                                        result["sampled"])
+                                        result["sampled"], args.gammas)
                 data.setdefault(regime, {})[f"{kind}@{ctx}"] = result
                 s = result["sampled"]
                 print(f"{regime} {kind}@{ctx}: AR {s['ar']['ms_per_token']:.2f} ms/token; sampled "
