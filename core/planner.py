@@ -333,10 +333,14 @@ class CostBook:
         full = self.level3.setdefault(regime, Costs())
         full.level3.update(costs.level3)
         full.level3_samples.update(copy.deepcopy(costs.level3_samples))
-        if costs.level2 is not None or costs.alone is not None:
-            self.levels[run] = Costs(costs.level2, overhead=costs.overhead, samples=copy.deepcopy(costs.samples),
-                                     level2_ahead=costs.level2_ahead, post=costs.post, alone=costs.alone,
-                                     alone_ahead=costs.alone_ahead)  # level 3: self.level3
+        if costs.level2 is not None or costs.alone is not None:  # level 3: self.level3
+            # a kind of level-2 forward this run did not make (a fixed plan drafting alone never checks level 1)
+            # keeps the book's figures for it: forgotten, it would borrow the other kind's, a bound, not a cost
+            old = self.levels.get(run, Costs())
+            kept = {name: getattr(costs, name) if getattr(costs, name) is not None else getattr(old, name)
+                    for name in ("level2", "level2_ahead", "alone", "alone_ahead")}
+            self.levels[run] = Costs(overhead=costs.overhead, samples=copy.deepcopy(old.samples | costs.samples),
+                                     post=costs.post, **kept)
         observed = {name: copy.copy(a) for name in CARRIED if (a := getattr(e, name)).verified > PRIOR_WEIGHT}
         if observed:  # (a guess is counted only after level 3 verified a whole draft: never without a2)
             self.acceptance[run] = observed

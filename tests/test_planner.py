@@ -268,6 +268,21 @@ def test_the_cost_book_keeps_greedy_and_sampled_runs_apart_and_merges_level_3_si
     assert known.level3[1] == 4.0 and book.estimates(False, 1000, True, 512, DRAFT).costs.level3[1] == 4.0
 
 
+def test_a_run_that_made_one_kind_of_level_2_forward_leaves_the_book_s_figures_for_the_other():
+    """A fixed plan drafting alone measures only forwards that check nothing; the book keeps what an earlier run
+    measured of forwards checking level 1 (and their samples), instead of letting them borrow the cheaper kind."""
+    book, checking = CostBook(), Estimates()
+    checking.costs.observe(2, 5.0, 7, 20.0, 0.5, ahead_forwards=2, ahead_ms=6.0, post_ms=1.0)
+    book.learn(True, 30000, False, 8192, checking)
+    alone = Estimates()
+    alone.costs.observe(4, 6.0, 5, 19.0, 0.4, ahead_forwards=4, ahead_ms=7.0, post_ms=1.2, alone=True)
+    book.learn(True, 30000, False, 8192, alone)
+    c = book.estimates(True, 30000, False, 8192).costs
+    assert (c.level2, c.level2_ahead, c.alone, c.alone_ahead) == (2.5, 3.0, 1.5, 1.75)
+    assert c.level2_step(alone=False) == (2.5, 3.0) and (c.overhead, c.post) == (0.4, 1.2)
+    assert {"level2", "alone"} <= set(c.samples)  # a next sample of either joins its own window
+
+
 def test_a_first_run_at_a_new_prompt_length_starts_from_the_nearest_one_measured():
     """No measuring rounds on a new document's first run: the nearest length's costs stand in, the level-3 sizes
     rescaled by the first full step measured here, the other levels replaced by their first measurement."""
