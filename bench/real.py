@@ -21,6 +21,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -166,11 +167,10 @@ def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict, ga
     top = best(candidates(list(runs), GenerationConfig().gamma1, AUTO_GAMMA2, ahead=ahead), e)
     expected = {}
     for name, settings in gamma_runs(gammas):
-        if name in sampled:
-            e.a2 = prior(sampled[name]["level2_acceptance"])
+        if name in sampled:  # the planner's figures with this run's own level-2 acceptance
             h = Hierarchy("", True, 0, settings["gamma2"], ahead and "draft_ahead" not in settings)
-            expected[name] = {"expected": rate(h, e) / ar if ar else None, "measured": sampled[name]["speedup"]}
-    e.a2 = prior(runs["model"]["level2_acceptance"])
+            own = replace(e, a2=prior(sampled[name]["level2_acceptance"]))
+            expected[name] = {"expected": rate(h, own) / ar if ar else None, "measured": sampled[name]["speedup"]}
     c = e.costs
     return {"level1_ms": {name: d.ms for name, d in e.level1.items()},
             "offered": {name: d.offered.rate for name, d in e.level1.items()}, "level2_ms": c.level2,
