@@ -13,6 +13,7 @@ A verification of γ drafts, each accepted with probability α, emits 1 + α + .
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,12 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind each acceptance prior
 # question on the document drafts differently, and a few rounds still show that.
 CARRIED_WEIGHT = 16.0
 CARRIED = ("a2", "guess")  # the acceptances of a whole run (Estimates' fields) that a next run of its kind starts from
+# The planner weighs plans on acceptances this many standard deviations below what it has seen. A plan's speed is
+# steep in the acceptance near 1 (a 31-token draft emits 27 tokens at 0.99, 16 at 0.95), and what it has seen is
+# often little, or carried from another answer: prompt lookup's 0.37 from an answer that quoted the document, where
+# the next one quoted nothing (0.09). Taken at face value, such estimates started runs of the real pair on drafts that
+# lost a third of their speed; one deviation below, they wait until the run itself has shown them.
+CAUTION = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,12 @@ class Estimate:
     @property
     def rate(self) -> float:
         return self.accepted / self.verified
+
+    def lower(self, caution: float) -> float:
+        """The rate less `caution` standard deviations of the estimate (a Beta posterior's, over the observations
+        behind it): the same rate seen over few drafts counts for less than over many."""
+        p = self.rate
+        return max(0.0, p - caution * math.sqrt(p * (1.0 - p) / (self.verified + 1.0)))
 
     def add(self, proposed: int, accepted: int) -> None:
         self.verified += verified(proposed, accepted)
@@ -400,9 +413,14 @@ class Estimates:
     guess: Estimate = field(default_factory=lambda: prior(0.9))
 
 
-def rate(h: Hierarchy, e: Estimates) -> float | None:
-    """Expected tokens per millisecond of `h` (None while a cost it needs is unmeasured)."""
+def rate(h: Hierarchy, e: Estimates, caution: float = 0.0) -> float | None:
+    """Expected tokens per millisecond of `h` (None while a cost it needs is unmeasured), its acceptances taken
+    `caution` standard deviations below their estimates."""
     c = e.costs
+
+    def alpha(a: Estimate) -> float:
+        return a.lower(caution)
+
     verify = c.verify(h.gamma2 + 1)
     d = e.level1.get(h.level1)
     step, beside = c.level2_step(alone=not h.level1)
@@ -411,21 +429,21 @@ def rate(h: Hierarchy, e: Estimates) -> float | None:
     if not h.gamma2:
         return 1.0 / verify if verify > 0 else None
     if h.level2:  # level 2 makes γ2 tokens, each level-2 forward checking γ1 level-1 tokens when level 1 drafts
-        per_forward = expected_tokens(d.a1.rate, d.offered.rate * h.gamma1) if d else 1.0
+        per_forward = expected_tokens(alpha(d.a1), alpha(d.offered) * h.gamma1) if d else 1.0
         level1 = h.gamma1 * d.ms if d else 0.0  # level 1's drafting for one level-2 forward
         forward = step + level1
         drafting = h.gamma2 * forward / per_forward
         if not h.ahead:
-            return expected_tokens(e.a2.rate, h.gamma2) / (drafting + verify + c.overhead)
+            return expected_tokens(alpha(e.a2), h.gamma2) / (drafting + verify + c.overhead)
         # While level 3 verifies, level 2 guesses the token level 3 will emit after the draft (one forward) and drafts
         # the next round after it, at the speed it drafts beside level 3's pass: that draft stands when level 3
         # accepts every draft and then emits the guess, so a round drafts for itself, alone, only otherwise. Level
         # 3's head, distributions and verification wait for both the pass and the drafting.
         ahead = beside + drafting * (beside + level1) / forward
-        kept = e.a2.rate ** h.gamma2 * e.guess.rate
+        kept = alpha(e.a2) ** h.gamma2 * alpha(e.guess)
         round_ms = (1.0 - kept) * drafting + max(verify, ahead + c.post) + c.overhead
-        return expected_tokens(e.a2.rate, h.gamma2) / round_ms
-    return expected_tokens((d.a13 or d.a1).rate, d.offered.rate * h.gamma2) / (h.gamma2 * d.ms + verify)
+        return expected_tokens(alpha(e.a2), h.gamma2) / round_ms
+    return expected_tokens(alpha(d.a13 or d.a1), alpha(d.offered) * h.gamma2) / (h.gamma2 * d.ms + verify)
 
 
 def candidates(drafters: Sequence[str], gamma1_max: int, gamma2_max: int, level2: bool = True, ahead: bool = False
@@ -443,9 +461,9 @@ def candidates(drafters: Sequence[str], gamma1_max: int, gamma2_max: int, level2
     return out + ([replace(h, ahead=True) for h in out if h.level2] if ahead else [])
 
 
-def best(options: list[Hierarchy], e: Estimates) -> tuple[Hierarchy, float] | None:
+def best(options: list[Hierarchy], e: Estimates, caution: float = 0.0) -> tuple[Hierarchy, float] | None:
     """The option with the highest expected rate, and that rate (None while no option's rate is known)."""
-    rated = [(r, h) for h in options if (r := rate(h, e)) is not None]
+    rated = [(r, h) for h in options if (r := rate(h, e, caution)) is not None]
     return max(rated, key=lambda x: x[0])[::-1] if rated else None
 
 
@@ -473,6 +491,7 @@ class Planner:
     ahead: bool = False  # level 2 can draft the next round while level 3 verifies, at once: plans that do are weighed
     chained: bool = False  # level 2 drafting alone chains its forwards on a GPU: a cost to measure apart
     fixed: Hierarchy | None = None  # the hierarchy of every round (method triforce): the planner then only records
+    caution: float = CAUTION  # standard deviations below their estimates that plans' acceptances are weighed at
     current: Hierarchy | None = None
     rounds: int = 0  # in the current plan
     switches: int = 0
@@ -516,17 +535,17 @@ class Planner:
             return self._set(AUTOREGRESSIVE, "measuring an autoregressive step")
         fresh = self.current is None or self.reason.startswith("measuring")  # else due (the first line)
         self.since_weighed_ms = 0.0
-        h, r = best(self.options, self.estimates)
+        h, r = best(self.options, self.estimates, self.caution)
         ar = self._autoregressive()
         # a drafting plan must clearly beat AR to be taken; out of switches, only a way back to AR is left
         if (h.gamma2 and r < SWITCH_GAIN * ar) or (not fresh and self.switches >= MAX_SWITCHES):
             h, r = AUTOREGRESSIVE, ar
-        now = rate(self.current, self.estimates) if self.current else None
+        now = rate(self.current, self.estimates, self.caution) if self.current else None
         # another plan must be clearly faster to replace the current one, unless the current one is now expected
         # slower than autoregressive decoding (which the planner never knowingly stays)
         if fresh or now is None or (h != self.current and (r > SWITCH_GAIN * now or now < ar)):
             self.weigh_every_ms, self.expected = WEIGH_EVERY_MS, r
-            return self._set(h, self.explain(h, r))
+            return self._set(h, self.explain(h))
         # kept: looked at again later while it is the best, soon while another comes close
         self.weigh_every_ms = min(2 * self.weigh_every_ms, WEIGH_MOST_MS) if h == self.current else WEIGH_EVERY_MS
         self.expected = now
@@ -538,7 +557,7 @@ class Planner:
         (drafts rejected that its prior expected accepted)."""
         spare = self.switches < MAX_SWITCHES
         if self.rounds >= MIN_ROUNDS and self.current.gamma2 and self.expected:
-            now = rate(self.current, self.estimates) or 0.0
+            now = rate(self.current, self.estimates, self.caution) or 0.0
             if now < self._autoregressive() or (spare and SWITCH_GAIN * now < self.expected):
                 return True
         settled = self.rounds >= MIN_ROUNDS or self.since_weighed_ms >= SETTLE_MS
@@ -548,12 +567,13 @@ class Planner:
         """Autoregressive decoding's expected rate (0 while its step is unmeasured)."""
         return rate(AUTOREGRESSIVE, self.estimates) or 0.0
 
-    def explain(self, h: Hierarchy, r: float) -> str:
-        """One line on why `h` was chosen: its expected speed over autoregressive decoding and the costs behind it."""
+    def explain(self, h: Hierarchy) -> str:
+        """One line on why `h` was chosen: its expected speed over autoregressive decoding (at the acceptances seen;
+        the choice weighed them with caution) and the costs behind it."""
         e = self.estimates
         c = e.costs
-        ar = rate(AUTOREGRESSIVE, e)
-        parts = [f"expected {r / ar:.2f}× autoregressive" if ar else ""]
+        ar, r = rate(AUTOREGRESSIVE, e), rate(h, e)
+        parts = [f"expected {r / ar:.2f}× autoregressive" if ar and r else ""]
         full = c.verify(1)
         step, ahead = c.level2_step(alone=not h.level1)
         if step is not None and full:
