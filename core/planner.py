@@ -7,7 +7,8 @@ overhead. So each round the planner picks among four hierarchies -- autoregressi
 (TriForce) -- their γs, and which drafter drafts at level 1 where a run holds two (a draft model and prompt
 lookup). Every one verifies exactly as the others do, so a plan changes the speed, never the output distribution.
 A verification of γ drafts, each accepted with probability α, emits 1 + α + ... + α^γ tokens (Leviathan et al.,
-2023); divided by the round's cost, measured level by level, that is each candidate's speed.
+2023); divided by the round's cost, measured level by level, that is each candidate's speed. The planner weighs it at
+acceptances a standard deviation below what it has seen (CAUTION): what little it has seen is a guess.
 """
 
 from __future__ import annotations
