@@ -320,9 +320,9 @@ class CostBook:
             level3, borrowed = {rows: ms * scale for rows, ms in near.level3.items()} | level3, not then
         levels, far = self._nearest(self.levels, run)
         levels = levels or Costs()
-        e = Estimates(copy.deepcopy(Costs(levels.level2, level3, levels.overhead, {} if far else levels.samples,
-                                          own.level3_samples, borrowed, levels.level2_ahead, levels.post,
-                                          levels.alone, levels.alone_ahead)))
+        # level 2's figures as the nearest kind measured them (its samples only if this kind's own), level 3's here
+        e = Estimates(copy.deepcopy(replace(levels, level3=level3, samples={} if far else levels.samples,
+                                            level3_samples=own.level3_samples, borrowed=borrowed)))
         seen, far = self._nearest(self.acceptance, run, document=True)
         for name in CARRIED:
             if (a := (seen or {}).get(name)) is not None:
