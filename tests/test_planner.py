@@ -343,9 +343,8 @@ def test_a_second_run_keeps_the_draft_length_its_prior_chose_through_one_rejecti
     """Offloaded at 120K, as the app's second greedy click on a document: the first run saw level 2 accepted 0.93 of
     the time; the second starts at γ2 12 from it (weighed, as every plan, one deviation below that rate), and its
     first round's draft is rejected at the first token. That round is one observation beside the sixteen the first
-    run's count is carried as: the plan stays. (Worth PRIOR_WEIGHT observations, the
-    prior fell to 0.74 and the plan to γ2 8, expected at half the speed.) A prior borrowed from another kind of run
-    stays a guess."""
+    run's count is carried as: the plan stays. (Worth PRIOR_WEIGHT observations, the prior would have fallen to 0.74,
+    and the draft length with it.) A prior borrowed from another kind of run stays a guess."""
     book, first = CostBook(), Estimates(Costs(6.0, {1: 300.0, 13: 330.0, 32: 380.0}))
     for _ in range(4):
         first.a2.add(proposed=12, accepted=12)
