@@ -130,7 +130,7 @@ class GenerationConfig:
                            "(auto: when it does not fit the GPU)", label="Offload the full KV cache",
                            choices=("auto", "on", "off"))
     draft_ahead: str = setting("auto", "level 2 drafts the next round while level 3 verifies this one, kept when "
-                               "level 3 accepts every draft and then emits level 2's guess (auto: when the full cache "
+                               "level 3 accepts every draft and then level 2's guess (auto: when the full cache "
                                "streams from CPU memory to a GPU, which then waits on copies; method auto then weighs "
                                "each plan with and without it)", label="Draft ahead",
                                choices=("auto", "on", "off"))

@@ -408,9 +408,9 @@ class Estimates:
     # of its drafts on prose, code and a pass key (bench.real), the paper reports ~0.9 and above
     a2: Estimate = field(default_factory=lambda: prior(0.9))
     level1: dict[str, Drafting] = field(default_factory=dict)
-    # how often level 3, having accepted a whole draft, emits the token level 2 guessed it would (the draft made
-    # ahead after it then stands): greedy, about as often as it accepts a draft; sampled, only as often as it draws
-    # level 2's likeliest token (0.71-0.86 in the real pair's sampled runs offloaded at 30K, where a2 was 0.92-0.99)
+    # how often level 3, having accepted a whole draft, accepts the token level 2 guessed would follow it (the draft
+    # made ahead after it then stands): a draw from level 2's distribution checked like a draft, so about as often as
+    # it accepts one
     guess: Estimate = field(default_factory=lambda: prior(0.9))
 
 
@@ -438,7 +438,7 @@ def rate(h: Hierarchy, e: Estimates, caution: float = 0.0) -> float | None:
             return expected_tokens(alpha(e.a2), h.gamma2) / (drafting + verify + c.overhead)
         # While level 3 verifies, level 2 guesses the token level 3 will emit after the draft (one forward) and drafts
         # the next round after it, at the speed it drafts beside level 3's pass: that draft stands when level 3
-        # accepts every draft and then emits the guess, so a round drafts for itself, alone, only otherwise. Level
+        # accepts every draft and then the guess, so a round drafts for itself, alone, only otherwise. Level
         # 3's head, distributions and verification wait for both the pass and the drafting.
         ahead = beside + drafting * (beside + level1) / forward
         kept = alpha(e.a2) ** h.gamma2 * alpha(e.guess)

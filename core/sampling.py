@@ -91,8 +91,9 @@ def speculative_verify(draft: list[int], q: torch.Tensor | None, p: torch.Tensor
     """Verify draft tokens proposed from q [k, V] (None: deterministic proposals) against p [k + 1, V].
 
     Returns (accepted count, next token): a sample from the residual after the first rejection, else a bonus
-    token from p's last row. The accepted tokens followed by the next token are distributed exactly as p. Under
-    tensor parallelism every rank returns rank 0's verdict.
+    token from p's last row. The accepted tokens followed by the next token are distributed exactly as p. Given p
+    of k rows, the last draft stands in for the bonus token: accepted, it is the next token (k - 1 accepted before
+    it). Under tensor parallelism every rank returns rank 0's verdict.
     """
     pxs, qxs, us = [], [], []
     if draft:  # one device sync for the whole draft: p(x), q(x) and a uniform per token, read back together
@@ -107,4 +108,6 @@ def speculative_verify(draft: list[int], q: torch.Tensor | None, p: torch.Tensor
         qi = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(x, device=p.device),
                                                                      p.shape[-1]).float()
         return agree(i, _draw(residual(p[i], qi), generator))
+    if len(p) == len(draft):
+        return agree(len(draft) - 1, draft[-1])
     return agree(len(draft), _draw(p[len(draft)], generator))

@@ -24,7 +24,7 @@ from core.parallel import agree
 from core.planner import Estimates, Hierarchy, Planner
 from core.repetition import Repetition
 from core.retrieval import Retrieval
-from core.sampling import distributions, draw, residual_distribution, speculative_verify
+from core.sampling import distributions, draw, residual_distribution, sample, speculative_verify
 
 
 T = TypeVar("T")
@@ -56,10 +56,12 @@ class Draft:
 @dataclass
 class Ahead:
     """Level 2's draft of the next round, made while level 3 verified this one after level 2's `guess` at the token
-    level 3 would emit next; its events held back until a round uses it."""
+    level 3 would emit next (drawn from `q`, and checked like one more draft); its events held back until a round
+    uses it."""
 
     plan: Hierarchy
     guess: int
+    q: torch.Tensor
     draft: Draft
     events: list[Event]
     cost: Draft  # the time and forwards it took, the guess's too (no tokens)
@@ -206,8 +208,10 @@ class TriForce:
                     pass_ms = self.overlap.level3_ms()  # waits for the pass: what follows it is timed alone
                     after_pass = clock(self.graphs)
                 p3 = distributions(self.repetition(target.head(h3), seq, draft.tokens), cfg)
-                accepted, token = speculative_verify(draft.tokens, torch.stack(draft.q) if draft.q else None, p3,
-                                                     self.generator)
+                # level 2's guess joins the draft, checked against level 3's row after it (which would otherwise
+                # give the bonus token): it stands as often as level 3 accepts a draft
+                tokens, q = (draft.tokens + [made.guess], draft.q + [made.q]) if made else (draft.tokens, draft.q)
+                accepted, token = speculative_verify(tokens, torch.stack(q) if q else None, p3, self.generator)
                 feature = h3[accepted]
             else:  # nothing to verify: the step method ar takes (the same draw: verifying no drafts samples p)
                 accepted, (token, h3, _) = 0, next_token(target, seq, self.repetition, cfg, self.generator)
@@ -222,7 +226,7 @@ class TriForce:
                 post_ms = (clock(self.graphs) - after_pass) * 1e3
                 level3_ms = level3_ms - (made.cost.level1_s + made.cost.level2_s) * 1e3 if fresh \
                     else pass_ms + post_ms
-                hit = accepted == n and token == made.guess
+                hit = accepted == n and token == made.guess  # (a rejected guess has no residual mass)
                 if accepted == n:
                     self.planner.guessed(hit)
                 ready = made if hit else None
@@ -367,13 +371,13 @@ class TriForce:
         return draft
 
     def draft_alone(self, seq: list[int], committed: int, round_: int, want: int, prefix: Sequence[int] = (),
-                    guess: bool = False) -> Generator[Event, None, tuple[int | None, Draft]]:
+                    guess: bool = False
+                    ) -> Generator[Event, None, tuple[tuple[int, torch.Tensor] | None, Draft]]:
         """Level 2 drafts `want` tokens after seq + `prefix` by itself, each forward's token drawn on the device and
         fed straight into the next forward: the host queues the whole draft and waits once, where a loop over forwards
         waits after each (on the real Qwen pair a level-2 forward took 2.7 ms in that loop, 2.0 ms of it device
         work). The draws are the loop's, in its order, so the draft is the one it would make. With `guess`, the first
-        token is level 2's likeliest instead (draft_ahead's guess), not part of the draft. Returns (the guess or
-        None, the draft)."""
+        token is draft_ahead's guess, not part of the draft. Returns (the guess and its q, or None; the draft)."""
         cfg, level2 = self.cfg, self.level2
         if not want + guess:
             return None, Draft()
@@ -383,15 +387,11 @@ class TriForce:
         for i in range(want + guess):
             if i:
                 hidden = level2.follow(ids[-1])
-            logits = level2.head(hidden)
-            if guess and not i:
-                ids.append(logits[0].argmax().view(1))
-                continue
-            q.append(distributions(logits, cfg)[0])
+            q.append(distributions(level2.head(hidden), cfg)[0])
             ids.append(draw(q[-1], self.generator))
         tokens = torch.cat(ids).tolist()  # the one wait
         level2.settle(tokens[:-1])
-        first = tokens.pop(0) if guess else None
+        first = (tokens.pop(0), q.pop(0)) if guess else None
         draft = Draft(tokens, q, ["level2"] * want, level2_s=clock(self.graphs) - t0, level2_forwards=want + guess,
                       feature=hidden[0])
         for token in tokens:
@@ -399,28 +399,31 @@ class TriForce:
         return first, draft
 
     def guess(self, seq: list[int], committed: int, tokens: list[int]) -> Draft:
-        """Level 2's most likely token after seq + tokens: the one level 3 most likely emits after accepting them."""
-        # A draft made after the guess is used only if level 3 emits the guess, which it does with probability
-        # p3(guess): the likeliest token is the best guess (a token drawn from p2 would be emitted with probability
-        # sum p2 * p3). Nothing verifies a guess, so choosing it leaves the output distribution as it is.
+        """Level 2's guess at the token level 3 emits after accepting seq + tokens: a draw from its distribution."""
+        # A draft made after the guess is used only if the guess stands. Checked like a draft, against level 3's row
+        # after the draft, a draw from q stands with probability sum min(p3, q), about level 2's acceptance (0.9 and
+        # more); waiting for level 3 to draw the same token instead, the likeliest token would stand only with
+        # probability p3(likeliest) (0.7-0.86 on the real pair, sampled).
         t0 = clock(self.graphs)
         h2 = self.level2.states(seq, 1, committed, tokens)
-        token = int(self.repetition(self.level2.head(h2), seq, tokens)[0].argmax())
-        return Draft([token], feature=h2[0], level2_s=clock(self.graphs) - t0, level2_forwards=1)
+        q = distributions(self.repetition(self.level2.head(h2), seq, tokens), self.cfg)
+        return Draft([sample(q[0], self.generator)], list(q), feature=h2[0], level2_s=clock(self.graphs) - t0,
+                     level2_forwards=1)
 
     def draft_ahead(self, h: Hierarchy, seq: list[int], committed: int, draft: Draft, round_: int, want: int
                     ) -> Ahead:
         """While level 3 verifies `draft`: level 2's guess at the token level 3 emits after it, should it accept it
-        all, and the next round's draft of `want` tokens after that guess. Exact like any draft: a round uses it
+        all (a draw that level 3 then checks like a draft), and the next round's draft of `want` tokens after it. Exact like any draft: a round uses it
         only when seq grew by exactly draft + guess, and it is then what level 2 drafts after that sequence."""
         events: list[Event] = []
         if self.chained(h.level1):  # the guess leads the chain
-            token, after = _drain(self.draft_alone(seq, committed, round_, want, draft.tokens, guess=True), events)
-            return Ahead(h, token, after, events, after.cost_with(Draft()))
+            (token, q), after = _drain(self.draft_alone(seq, committed, round_, want, draft.tokens, guess=True),
+                                       events)
+            return Ahead(h, token, q, after, events, after.cost_with(Draft()))
         guess = self.guess(seq, committed, draft.tokens)
         after = _drain(self.draft_level2(seq, committed, round_, guess.feature, h.level1, h.gamma1, want,
                                          [*draft.tokens, *guess.tokens]), events)
-        return Ahead(h, guess.tokens[0], after, events, guess.cost_with(after))
+        return Ahead(h, guess.tokens[0], guess.q[0], after, events, guess.cost_with(after))
 
 
 def _drain(events: Generator[Event, None, T], into: list[Event]) -> T:

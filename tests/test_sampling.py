@@ -33,6 +33,18 @@ def test_verify_emits_target_distribution_and_biased_residual_is_caught():
     assert chi_square_p(draws(p, q, 20000, residual=lambda pi, qi: pi), expected, 20000) < 1e-6
 
 
+def test_a_last_draft_standing_in_for_the_bonus_token_keeps_p_s_distribution():
+    """Given p without a row after the draft, the draft's last token takes the bonus token's place: a draw from q
+    that stands, or the residual's draw, is distributed as p (standing unchecked it would follow q)."""
+    g = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(1, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(V, generator=g) * 2, -1)
+    counts = draws(p, q, 20000)
+    assert chi_square_p(counts, dict(enumerate(p[0].tolist())), 20000) > 1e-3
+    assert chi_square_p(counts, dict(enumerate(q.tolist())), 20000) < 1e-6
+    assert speculative_verify([3], q[None], torch.eye(V)[3:4], g) == (0, 3)  # level 3 accepts it: it is the next token
+
+
 def test_greedy_accepts_only_the_argmax():
     cfg = GenerationConfig(greedy=True)
     logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, 0.1], [0.0, 0.0, 5.0]])
