@@ -83,28 +83,24 @@ def test_drafting_ahead_is_lossless_and_an_off_by_one_q_or_an_unchecked_guess_is
 
     draft_ahead = core.triforce.TriForce.draft_ahead
 
-    def shifted(self, h, seq, committed, draft, round_, want):
-        made = draft_ahead(self, h, seq, committed, draft, round_, want)
+    def shifted(self, seq, committed, draft, made):
         guess = self.level2.logits(seq, 1, committed, draft.tokens)  # level 2's row for the guess
         made.draft.q = [core.triforce.distributions(guess, self.cfg)[0], *made.draft.q[:-1]]
-        return made
 
-    monkeypatch.setattr(core.triforce.TriForce, "draft_ahead", shifted)
-    with torch.no_grad():
-        biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS, **ahead)
-    p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
-    assert p_biased < 1e-6, f"an off-by-one q of drafts made ahead not detected (p={p_biased:.2e})"
-
-    def unchecked(self, h, seq, committed, draft, round_, want):
-        made = draft_ahead(self, h, seq, committed, draft, round_, want)
+    def unchecked(self, seq, committed, draft, made):
         made.q = torch.zeros_like(made.q)  # q(guess) = 0 <= p(guess): level 3 accepts every guess
-        return made
 
-    monkeypatch.setattr(core.triforce.TriForce, "draft_ahead", unchecked)
-    with torch.no_grad():
-        biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS, **ahead)
-    p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
-    assert p_biased < 1e-6, f"a guess standing unchecked not detected (p={p_biased:.2e})"
+    for bias, what in ((shifted, "an off-by-one q of drafts made ahead"), (unchecked, "a guess standing unchecked")):
+        def biased_ahead(self, h, seq, committed, draft, round_, want, bias=bias):
+            made = draft_ahead(self, h, seq, committed, draft, round_, want)
+            bias(self, seq, committed, draft, made)
+            return made
+
+        monkeypatch.setattr(core.triforce.TriForce, "draft_ahead", biased_ahead)
+        with torch.no_grad():
+            biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS, **ahead)
+        p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
+        assert p_biased < 1e-6, f"{what} not detected (p={p_biased:.2e})"
 
 
 def test_level_2_s_guess_stands_about_as_often_as_level_3_accepts_a_draft(monkeypatch, one_thread):
