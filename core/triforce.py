@@ -24,7 +24,7 @@ from core.parallel import agree
 from core.planner import Estimates, Hierarchy, Planner
 from core.repetition import Repetition
 from core.retrieval import Retrieval
-from core.sampling import distributions, draw, residual_distribution, sample, speculative_verify
+from core.sampling import distributions, draw, residual_distribution, speculative_verify
 
 
 T = TypeVar("T")
@@ -398,29 +398,21 @@ class TriForce:
             yield Verdict(2, round_, [], 0, token, True)
         return first, draft
 
-    def guess(self, seq: list[int], committed: int, tokens: list[int]) -> Draft:
-        """Level 2's guess at the token level 3 emits after accepting seq + tokens: a draw from its distribution."""
-        # A draft made after the guess is used only if the guess stands. Checked like a draft, against level 3's row
-        # after the draft, a draw from q stands with probability sum min(p3, q), about level 2's acceptance (0.9 and
-        # more); waiting for level 3 to draw the same token instead, the likeliest token would stand only with
-        # probability p3(likeliest) (0.7-0.86 on the real pair, sampled).
-        t0 = clock(self.graphs)
-        h2 = self.level2.states(seq, 1, committed, tokens)
-        q = distributions(self.repetition(self.level2.head(h2), seq, tokens), self.cfg)
-        return Draft([sample(q[0], self.generator)], list(q), feature=h2[0], level2_s=clock(self.graphs) - t0,
-                     level2_forwards=1)
-
     def draft_ahead(self, h: Hierarchy, seq: list[int], committed: int, draft: Draft, round_: int, want: int
                     ) -> Ahead:
         """While level 3 verifies `draft`: level 2's guess at the token level 3 emits after it, should it accept it
-        all (a draw that level 3 then checks like a draft), and the next round's draft of `want` tokens after it. Exact like any draft: a round uses it
+        all, and the next round's draft of `want` tokens after that guess. Exact like any draft: a round uses it
         only when seq grew by exactly draft + guess, and it is then what level 2 drafts after that sequence."""
+        # The guess is level 2's next token, drawn as any it drafts, and level 3 checks it like one more draft: it
+        # stands with probability sum min(p3, q2), about level 2's acceptance (0.9 and more). Waiting for level 3 to
+        # draw the same token instead, even the likeliest would stand only with probability p3(likeliest) (0.71-0.86
+        # on the real pair, sampled).
         events: list[Event] = []
         if self.chained(h.level1):  # the guess leads the chain
             (token, q), after = _drain(self.draft_alone(seq, committed, round_, want, draft.tokens, guess=True),
                                        events)
             return Ahead(h, token, q, after, events, after.cost_with(Draft()))
-        guess = self.guess(seq, committed, draft.tokens)
+        guess = _drain(self.draft_level2(seq, committed, round_, None, "", 0, 1, draft.tokens), [])  # verdict unshown
         after = _drain(self.draft_level2(seq, committed, round_, guess.feature, h.level1, h.gamma1, want,
                                          [*draft.tokens, *guess.tokens]), events)
         return Ahead(h, guess.tokens[0], guess.q[0], after, events, guess.cost_with(after))

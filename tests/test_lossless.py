@@ -84,8 +84,7 @@ def test_drafting_ahead_is_lossless_and_an_off_by_one_q_or_an_unchecked_guess_is
     draft_ahead = core.triforce.TriForce.draft_ahead
 
     def shifted(self, seq, committed, draft, made):
-        guess = self.level2.logits(seq, 1, committed, draft.tokens)  # level 2's row for the guess
-        made.draft.q = [core.triforce.distributions(guess, self.cfg)[0], *made.draft.q[:-1]]
+        made.draft.q = [made.q, *made.draft.q[:-1]]
 
     def unchecked(self, seq, committed, draft, made):
         made.q = torch.zeros_like(made.q)  # q(guess) = 0 <= p(guess): level 3 accepts every guess
