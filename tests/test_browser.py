@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (.ci/install-browser)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (bash install.sh --test)")
 CHROMIUM = os.environ.get("TRIFORCE_CHROMIUM", "/usr/bin/chromium")
-if not shutil.which(CHROMIUM):
-    pytest.skip(f"no chromium at {CHROMIUM} (.ci/install-browser installs it)", allow_module_level=True)
+if not shutil.which(CHROMIUM):  # install.sh --test installs Debian's chromium only where it runs as root
+    pytest.skip(f"no chromium at {CHROMIUM}: installing Debian's chromium needs root (bash install.sh --test as root, "
+                "or apt-get install chromium fonts-noto-color-emoji; TRIFORCE_CHROMIUM names another)",
+                allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
