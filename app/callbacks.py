@@ -14,9 +14,9 @@ from typing import Any
 import gradio as gr
 
 from core import GenerationConfig, TriForceError
-from core.compare import difference_note, first_difference
+from core.decode.compare import difference_note, first_difference
 from core.events import Event, Finished, PromptReady, RetrievalSelection
-from core.prompting import document_fit
+from core.io.prompting import document_fit
 
 from app.documents import DocumentError, load_samples, read_document
 from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.config import TriForceError
-from core.inputs import read_capped
-from core.prompting import MAX_DOCUMENT_CHARS
-from core.text import html_to_text
+from core.io.inputs import read_capped
+from core.io.prompting import MAX_DOCUMENT_CHARS
+from core.io.text import html_to_text
 
 from app.pdf import PdfLimits, PdfRefused, read_pdf
 

@@ -24,7 +24,7 @@ except ImportError:
 
 from core import Engine, GenerationConfig, TriForceError
 from core.events import Event
-from core.inputs import gpu_memory_gib, note_gpu_only
+from core.io.inputs import gpu_memory_gib, note_gpu_only
 
 from app.presets import Preset
 from app.state import typed

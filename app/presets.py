@@ -1,4 +1,4 @@
-"""The app's model presets: core.presets' table, the pair the environment names (TRIFORCE_TARGET / TRIFORCE_DRAFT),
+"""The app's model presets: core.io.presets' table, the pair the environment names (TRIFORCE_TARGET / TRIFORCE_DRAFT),
 and what the Settings panel marks as a preset's choice."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from core.config import settings
-from core.presets import EMBEDDED, PRESETS, Preset
+from core.io.presets import EMBEDDED, PRESETS, Preset
 
 __all__ = ["CUSTOM", "EMBEDDED", "PRESETS", "PRESET_SETTINGS", "Preset", "all_presets", "default_preset",
            "env_preset", "panel_overrides", "preset_by_name"]

@@ -21,13 +21,13 @@ import transformers
 
 from core import Engine, GenerationConfig
 from core.events import Finished, PlanChosen, StepTiming, Verdict
-from core.kvcache import KVCache, StreamingCache
-from core.cuda_graphs import Graphs
-from core.levels import Level
-from core.model import ModelArgs, Transformer
-from core.ops import TorchOps
-from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
-from core.sampling import distributions
+from core.cache.kvcache import KVCache, StreamingCache
+from core.decode.graphs import Graphs
+from core.decode.levels import Level
+from core.model.transformer import ModelArgs, Transformer
+from core.model.ops import TorchOps
+from core.cache.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.decode.sampling import distributions
 
 DOCS = Path(__file__).parent.parent / "assets" / "docs"
 RESULTS = Path(__file__).parent / "results"
@@ -314,7 +314,7 @@ def gpu_parser(description: str, parts: list[str], default: list[str]) -> argpar
                    help="contexts of the real model (sweep and profile_small use the last)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--gguf", default=None, help="target of the real parts: a GGUF file, directory or hub id "
-                   "(default: the embedded SmolLM2-135M-Instruct GGUF, core.loading.embedded_source)")
+                   "(default: the embedded SmolLM2-135M-Instruct GGUF, core.io.loading.embedded_source)")
     p.add_argument("--rope", default='{"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 8192}')
     p.add_argument("--no-hf-real", action="store_true")
     p.add_argument("--draft", default=None, help="level-1 draft for the real parts (e.g. assets/draft; default: none)")

@@ -22,11 +22,11 @@ from bench.common import (BF16, DEV, INSTRUCTION, LLAMA_68M, SHAPES, GpuResults,
                           draft_level, fill_random, finish, free, full_cache, gpu_main, hf_ar_ms,
                           random_dynamic_cache, random_model, random_retrieval, shape_key)
 from core import Engine, GenerationConfig
-from core.cuda_graphs import Graphs
+from core.decode.graphs import Graphs
 from core.events import Verdict
-from core.levels import Level
-from core.model import Transformer
-from core.sampling import distributions
+from core.decode.levels import Level
+from core.model.transformer import Transformer
+from core.decode.sampling import distributions
 
 DOCUMENT = "pride_and_prejudice.txt"
 SAMPLINGS = {"greedy": {"greedy": True}, "t0.6_p0.9": {"temperature": 0.6, "top_p": 0.9}}

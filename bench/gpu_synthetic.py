@@ -21,11 +21,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from bench.common import (LLAMA_68M, SHAPES, GpuResults, ar_step_ms, draft_level, free, full_cache, gpu_main,
                           hf_ar_ms, random_dynamic_cache, random_hf_pair, random_model, shape_key, sync_ms,
                           verify_step_ms)
-from core.cuda_graphs import Graphs
+from core.decode.graphs import Graphs
 from core.engine import default_prefill_chunk
-from core.levels import Level
-from core.ops import TritonOps
-from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.decode.levels import Level
+from core.model.ops import TritonOps
+from core.cache.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
 
 
 def nbytes(model: torch.nn.Module) -> int:

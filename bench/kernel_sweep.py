@@ -1,6 +1,6 @@
 """Launch parameters of the decode kernels, timed on the GPU from CUDA graphs (several weight/cache copies so that
 L2 does not hold them): split-K attention (splits x BLOCK_N x stages) at the real and 7B shapes against the current
-core.kernels.num_splits choice, and the autotuned GEMV's bandwidth. Prints one line per shape.
+core.model.kernels.num_splits choice, and the autotuned GEMV's bandwidth. Prints one line per shape.
 
 python -m bench.kernel_sweep
 """
@@ -9,7 +9,7 @@ import itertools
 
 import torch
 
-from core import kernels as k
+from core.model import kernels as k
 
 DEV, BF16 = "cuda", torch.bfloat16
 

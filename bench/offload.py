@@ -24,10 +24,10 @@ from bench.common import (DOCS, LLAMA2_7B, LLAMA31_8B, LLAMA32_1B, LLAMA_68M, RE
                           random_model, save)
 from core import Engine, GenerationConfig
 from core.events import Finished, PlanChosen, StepTiming
-from core.kvcache import pinned_empty
-from core.offload import OffloadedKVCache
-from core.ops import TORCH
-from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.cache.kvcache import pinned_empty
+from core.cache.offload import OffloadedKVCache
+from core.model.ops import TORCH
+from core.cache.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
 
 INSTRUCTION = "Summarise what has happened so far, naming the main characters."
 PCIE4_GB_S = 25.0

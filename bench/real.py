@@ -32,8 +32,8 @@ from bench.offload import h2d_gb_s
 from core import Engine, GenerationConfig
 from core.config import AUTO_GAMMA2
 from core.events import Finished, PlanChosen, StepTiming
-from core.planner import AUTOREGRESSIVE, Hierarchy, best, candidates, prior, rate
-from core.triforce import drafts_ahead
+from core.plan.planner import AUTOREGRESSIVE, Hierarchy, best, candidates, prior, rate
+from core.decode.triforce import drafts_ahead
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTRUCTIONS = {"code": "Explain what this code does, module by module.",
@@ -62,7 +62,7 @@ def gamma_runs(gammas: Sequence[int]) -> list[tuple[str, dict]]:
 def text_of(kind: str, engine: Engine, tokens: int) -> str:
     """A document of about `tokens` tokens of one kind."""
     if kind == "code":
-        files = sorted((ROOT / "core").glob("*.py")) + sorted((ROOT / "bench").glob("*.py")) + \
+        files = sorted((ROOT / "core").rglob("*.py")) + sorted((ROOT / "bench").glob("*.py")) + \
             sorted((ROOT / "tests").glob("*.py")) + sorted((ROOT / "app").glob("*.py"))
         text = "".join(f"# file: {f.relative_to(ROOT)}\n{f.read_text()}\n" for f in files)
     elif kind == "prose":
@@ -137,7 +137,7 @@ def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats:
         out["greedy"][name] = row(fin, chosen)
         identical[name] = fin.token_ids == ar_greedy.token_ids
         if not identical[name]:
-            from core.compare import difference_note
+            from core.decode.compare import difference_note
             out["greedy"][name]["difference"] = difference_note(ar_greedy.token_ids, fin.token_ids,
                                                                 ar_greedy.stats.near_ties)
     for name, settings in usable(SAMPLED_RUNS + list(extra), engine, base):
@@ -211,7 +211,7 @@ def anatomy(engine: Engine, doc: str, instruction: str, bw: float | None) -> dic
 def oracle(target: str, draft: str, doc: str, instruction: str, new_tokens: int) -> dict:
     """Float32 on the GPU: our greedy AR and TriForce against transformers' greedy generate on the same prompt."""
     from transformers import AutoModelForCausalLM
-    from core.loading import _cache_dir, resolve
+    from core.io.loading import _cache_dir, resolve
     engine = Engine.load(target, draft, dtype="float32")
     engine.target.eos_ids = set()
     base = dict(greedy=True, max_new_tokens=new_tokens)

@@ -47,11 +47,11 @@ import torch.nn.functional as F
 from bench.common import DOCS, environment, save
 from bench.needle import NEEDLE
 from core import Engine, GenerationConfig
-from core.kvcache import KVCache
-from core.levels import Level
-from core.ops import TorchOps, rotate
-from core.prompting import build_prompt, plain_ids
-from core.sampling import distributions
+from core.cache.kvcache import KVCache
+from core.decode.levels import Level
+from core.model.ops import TorchOps, rotate
+from core.io.prompting import build_prompt, plain_ids
+from core.decode.sampling import distributions
 
 DEFAULT_TARGET = "qwen2.5-coder-0.5b"  # the preset (python -m core install-models), or a .gguf / directory
 INSTRUCTIONS = {"code": "Explain what this module does.", "prose": "Summarise what has happened so far.",

@@ -59,7 +59,7 @@ from app.callbacks import COMPARE_OUTPUTS
 from app.presets import CUSTOM, EMBEDDED, preset_by_name
 from bench.common import DOCS, SHAPES, GpuResults, environment, finish, merge_summary, save
 from core import Engine, GenerationConfig
-from core.loading import load_tokenizer
+from core.io.loading import load_tokenizer
 
 ROOT = Path(__file__).parent.parent
 DOCUMENT = "pride_and_prejudice.txt"

@@ -13,7 +13,10 @@ from typing import Any, Callable, Literal, Union
 Method = Literal["auto", "triforce", "ar"]
 Reselect = Union[str, int]
 SEED_LIMIT = 2**63  # torch generators take seeds below this
-AUTO_GAMMA2 = 31  # method auto: the longest level-3 draft (γ2 + 1 tokens fill one 32-row decode step)
+# The most new tokens one decode step takes: such a forward reads its lengths from device memory (CUDA graphs) and
+# computes each row as a one-token step would (batch-invariant kernels); a longer input is fed in pieces of this size.
+DECODE_TOKENS = 32
+AUTO_GAMMA2 = DECODE_TOKENS - 1  # method auto's longest level-3 draft: its γ2 + 1 rows fill one decode step
 
 
 class TriForceError(ValueError):
@@ -36,7 +39,7 @@ class UnusableModelError(TriForceError):
     """A model was found but cannot be used: a corrupt file, an unsupported architecture, or its own code to run."""
 
 
-# The names the registries hold (core.drafters.DRAFTERS, core.retrieval.SELECTION_POLICIES and LEVEL2_CACHES),
+# The names the registries hold (core.decode.drafters.DRAFTERS, core.cache.retrieval.SELECTION_POLICIES and LEVEL2_CACHES),
 # spelled here so that this module needs nothing above it; a test checks that the two lists agree.
 DRAFTER_CHOICES = ("auto", "model", "ngram", "none")
 POLICY_CHOICES = ("once", "every_verify")

@@ -12,22 +12,22 @@ from typing import Iterator, Protocol
 import torch
 import transformers
 
-from core.autoregressive import Autoregressive
+from core.decode.autoregressive import Autoregressive
 from core.config import AUTO_GAMMA2, GenerationConfig, TriForceError
-from core.cuda_graphs import Graphs
-from core.drafters import DraftContext, Drafter, drafter_names, make_drafters
+from core.decode.graphs import Graphs
+from core.decode.drafters import DraftContext, Drafter, drafter_names, make_drafters
 from core.events import Event, Finished, Footprint, Loading, PrefillProgress, PromptReady, Stats
-from core.levels import Level, Stopped
-from core.loading import default_draft, device_and_dtype, load_draft, load_model
-from core.memory import GiB, Memory, Plan, Prefilled, device_limit, working_bytes
-from core.model import Transformer
-from core.output import Output
-from core.parallel import TensorParallel, parallelize
-from core.planner import CostBook, Estimates
-from core.presets import Preset, preset_config, resolve_preset
-from core.prompting import Prompt, build_prompt, plain_ids
-from core.samples import warm_up_text
-from core.triforce import TriForce
+from core.decode.levels import Level, Stopped
+from core.io.loading import default_draft, device_and_dtype, load_draft, load_model
+from core.cache.memory import GiB, Memory, Plan, Prefilled, device_limit, working_bytes
+from core.model.transformer import Transformer
+from core.decode.output import Output
+from core.model.parallel import TensorParallel, parallelize
+from core.plan.planner import CostBook, Estimates
+from core.io.presets import Preset, preset_config, resolve_preset
+from core.io.prompting import Prompt, build_prompt, plain_ids
+from core.io.samples import warm_up_text
+from core.decode.triforce import TriForce
 
 _LOADED: dict[tuple, "Engine"] = {}
 
@@ -72,7 +72,7 @@ class Engine:
     memory: Memory | None = None  # the runs' caches (None: a new Memory with no device limit, as on a CPU)
     graphs: Graphs | None = None  # CUDA graphs of decode steps (None: launched eagerly)
     costs: CostBook = field(default_factory=CostBook)  # what earlier runs measured (method auto starts from it)
-    preset: Preset | None = None  # the model preset (core/presets.py): generate() starts from its settings
+    preset: Preset | None = None  # the model preset (core/io/presets.py): generate() starts from its settings
 
     def __post_init__(self):
         if self.memory is None:
@@ -89,7 +89,7 @@ class Engine:
         use (enforced; default: all of it); a full KV cache beyond it is offloaded to CPU memory (offload=auto).
         `tp`: this process is a rank of a tensor-parallel group: the models are loaded in CPU memory, the target cut
         to this rank's shard and both moved to tp.device (`device` is ignored; no CUDA graphs). `target` may be a
-        preset id (core/presets.py): its models, and its settings as the defaults of generate()."""
+        preset id (core/io/presets.py): its models, and its settings as the defaults of generate()."""
         preset, target, draft = resolve_preset(target, draft)
         key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs, gpu_memory_gib,
                tp and tp.world)

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.samples import DOCS, held_out_documents
-from core.text import html_to_text
+from core.io.samples import DOCS, held_out_documents
+from core.io.text import html_to_text
 
 GENERAL = [
     "Summarise the document in three sentences.", "What is the main topic of this text?",
@@ -156,7 +156,7 @@ def gather_texts(cap_per_group: int, deb_root: Path, seed: int) -> list[dict]:
 
 
 def _prompts_from(texts, tok, n, min_doc, max_doc, rng, instructions_for, split):
-    from core.prompting import build_prompt
+    from core.io.prompting import build_prompt
     pool = {}
     for t in texts:
         ids = tok(t["text"], add_special_tokens=False)["input_ids"]
@@ -181,7 +181,7 @@ def prepare(args) -> None:
     """The prepare stage: prompts.npz, the head ids and sources.json in args.out."""
     from safetensors.torch import save_file
 
-    from core.loading import load_tokenizer
+    from core.io.loading import load_tokenizer
     rng = random.Random(args.seed)
     tok = load_tokenizer(args.target)
     debs = unpack_debs(Path(args.deb_root))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from core.draftdir import read_draft
+from core.io.draftdir import read_draft
 
 
 def make_draft(target, layers: list[int], shared: int = 0):
@@ -15,7 +15,7 @@ def make_draft(target, layers: list[int], shared: int = 0):
     copied from the target's `layers`, the target's final norm and the target's embedding and LM head."""
     import copy
 
-    from core.model import Transformer
+    from core.model.transformer import Transformer
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = shared + len(layers)
     draft = Transformer(config)
@@ -38,7 +38,7 @@ def own_parameters(draft, shared: int) -> dict[str, torch.nn.Parameter]:
 
 def add_fusion(draft, hidden: int, ages: int):
     """Give a draft a fusion module that leaves it as it is until trained (zero output projection)."""
-    from core.model import Fusion
+    from core.model.transformer import Fusion
     draft.fusion = Fusion(draft.args.dim, hidden, ages).to(draft.device)
     torch.nn.init.zeros_(draft.fusion.down.weight)
     torch.nn.init.normal_(draft.fusion.age.weight, std=0.02)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.draftdir import WEIGHTS_FILE, write_draft
+from core.io.draftdir import WEIGHTS_FILE, write_draft
 from distill.answers import SETTINGS, generate_answers, read_answers, save_answers
 from distill.data import load_head_ids, load_prompts
 from distill.draft import add_fusion, ages, make_draft, own_parameters, resumed
@@ -106,8 +106,8 @@ def distil_loss(draft, head_ids, batch, labels, temps, sink):
 
 
 def train(args) -> None:
-    """The train stage: distil a draft and write its directory (core.draftdir) and training.json to args.out."""
-    from core.loading import vocab_digest
+    """The train stage: distil a draft and write its directory (core.io.draftdir) and training.json to args.out."""
+    from core.io.loading import vocab_digest
     t_start = time.time()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

@@ -11,8 +11,8 @@ from transformers.generation.logits_process import LogitsProcessor
 from core.config import GenerationConfig
 from core.engine import Engine
 from core.events import Finished
-from core.kvcache import KVCache
-from core.sampling import distributions
+from core.cache.kvcache import KVCache
+from core.decode.sampling import distributions
 from tests.tiny import DigitTokenizer, tiny_config, tiny_pair
 
 VOCAB = 10

@@ -18,7 +18,7 @@ from core import GenerationConfig, TriForceError
 from core.config import settings
 from core.events import (Finished, Loading, PlanChosen, PrefillProgress, PromptReady, RetrievalSelection, Stats,
                          StepTiming, Tokens)
-from core.text import html_to_text
+from core.io.text import html_to_text
 
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, DocumentError, load_samples, read_document
@@ -746,7 +746,7 @@ def test_a_python_source_file_uploads_as_its_text(server, tmp_path: Path) -> Non
     from gradio_client import handle_file
 
     _, client = server
-    source = (ROOT / "core" / "sampling.py").read_text(encoding="utf-8")
+    source = (ROOT / "core" / "decode" / "sampling.py").read_text(encoding="utf-8")
     (tmp_path / "sampling.py").write_text(source, encoding="utf-8")
     assert client.predict(handle_file(str(tmp_path / "sampling.py")), api_name="/upload_document") == source
 

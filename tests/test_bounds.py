@@ -7,12 +7,12 @@ import threading
 import pytest
 import torch
 
-import core.triforce
+import core.decode.triforce
 from core.config import GenerationConfig
 from core.engine import Engine
 from core.events import Finished, PlanChosen, PrefillProgress, Tokens
-from core.kvcache import KVCache
-from core.ops import DECODE_TOKENS
+from core.cache.kvcache import KVCache
+from core.config import DECODE_TOKENS
 from tests.tiny import DigitTokenizer, tiny_config, tiny_pair
 
 VOCAB = 32
@@ -120,12 +120,12 @@ def test_a_set_stop_ends_a_prefill_forward_between_two_layers():
 def test_level2_drafts_no_more_than_the_answer_wants(monkeypatch, drafter):
     levels = []
 
-    class Counted(core.triforce.Level):  # level 2, remembered to count its forwards
+    class Counted(core.decode.triforce.Level):  # level 2, remembered to count its forwards
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             levels.append(self)
 
-    monkeypatch.setattr(core.triforce, "Level", Counted)
+    monkeypatch.setattr(core.decode.triforce, "Level", Counted)
     engine = tiny_engine()
     for max_new in (1, 2, 5):
         levels.clear()

@@ -163,7 +163,7 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
 
         page.get_by_role("tab", name="TriForce").click()
         # a source file uploads as its text (the file box once refused .py as an invalid file type)
-        page.set_input_files("#upload input[type=file]", str(ROOT / "core" / "sampling.py"))
+        page.set_input_files("#upload input[type=file]", str(ROOT / "core" / "decode" / "sampling.py"))
         page.wait_for_function("() => document.querySelector('#document textarea').value.includes('def nucleus')",
                                timeout=30_000)
         assert "Invalid file type" not in page.content()

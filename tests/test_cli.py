@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.cli import main
+from core.cli.main import main
 from core.events import Finished, Loading, PlanChosen, PrefillProgress, PromptReady, Stats, Tokens
-from core.progress import Progress
+from core.cli.progress import Progress
 
 DOCS = Path(__file__).parent.parent / "assets" / "docs"
 

@@ -14,8 +14,8 @@ from distill.answers import read_answers, save_answers
 from distill.cli import main
 from distill.data import unpack_debs  # the real one: the data fixture replaces the module's
 from distill.draft import own_parameters, resumed
-from core.loading import load_draft
-from core.samples import held_out_documents
+from core.io.loading import load_draft
+from core.io.samples import held_out_documents
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import torch
 
 from core import GenerationConfig
 from core.config import TokenizerMismatchError
-from core.draftdir import HEAD_FILE, read_draft, write_draft
+from core.io.draftdir import HEAD_FILE, read_draft, write_draft
 from core.events import DraftProposal, Finished, Tokens
-from core.loading import DRAFT_DIR, load_draft
+from core.io.loading import DRAFT_DIR, load_draft
 
 DOC = Path(__file__).parent.parent / "assets" / "docs" / "us_declaration_of_independence.txt"
 

@@ -5,8 +5,8 @@ drafters a run holds."""
 import torch
 
 from core.config import DRAFTER_CHOICES, LEVEL2_CACHE_CHOICES, POLICY_CHOICES, GenerationConfig
-from core.drafters import DRAFTERS, NgramDrafter
-from core.retrieval import LEVEL2_CACHES, SELECTION_POLICIES
+from core.decode.drafters import DRAFTERS, NgramDrafter
+from core.cache.retrieval import LEVEL2_CACHES, SELECTION_POLICIES
 from tests.lossless import CFG, tiny_engine
 
 

@@ -1,4 +1,4 @@
-"""The CUDA path, on a GPU (skipped without one): core.ops.TritonOps (the Triton kernels) against core.ops.TorchOps
+"""The CUDA path, on a GPU (skipped without one): core.model.ops.TritonOps (the Triton kernels) against core.model.ops.TorchOps
 and float64 references, the chunk gather, chunk selection from bf16 means, and greedy decoding replayed from CUDA
 graphs against eager PyTorch operators. `python -m bench.gpu --parts check` records the same measurements
 (`measured`) in the GPU result file.
@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from core.config import GenerationConfig
-from core.cuda_graphs import Graphs
-from core.kvcache import KVCache
-from core.levels import Level, Stopped
-from core.model import Transformer
-from core.offload import OffloadedKVCache
-from core.ops import DECODE_TOKENS, TORCH, TorchOps, TritonOps, ops_for, rotate
-from core.retrieval import ChunkIndex, gather_selection, retrieval_cache, select_chunks
+from core.decode.graphs import Graphs
+from core.cache.kvcache import KVCache
+from core.decode.levels import Level, Stopped
+from core.model.transformer import Transformer
+from core.cache.offload import OffloadedKVCache
+from core.model.ops import DECODE_TOKENS, TORCH, TorchOps, TritonOps, ops_for, rotate
+from core.cache.retrieval import ChunkIndex, gather_selection, retrieval_cache, select_chunks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a CUDA GPU")
 
@@ -40,7 +40,7 @@ GRAPH_MODEL = dict(vocab_size=32000, hidden_size=576, intermediate_size=3072, nu
 
 
 def triton_ops(gemv: bool = True) -> TritonOps:
-    from core import kernels  # Triton: imported on CUDA machines only
+    from core.model import kernels  # Triton: imported on CUDA machines only
     return TritonOps(kernels, gemv)
 
 
@@ -337,7 +337,7 @@ def test_a_drafting_one_token_step_folds_the_norm_and_swiglu_into_its_projection
 
 def test_gemv_is_tuned_once_per_weight_shape(triton):
     """Every step size up to the kernel's rows reuses one tuning of a projection: none is paid mid-run."""
-    from core import kernels
+    from core.model import kernels
     g = torch.Generator(DEV).manual_seed(4)
     w = randn(2304, 832, g=g)
     for m in range(1, DECODE_TOKENS + 1):

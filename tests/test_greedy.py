@@ -33,7 +33,7 @@ def engine(embedded):
 def hf_model():
     from transformers import AutoModelForCausalLM
 
-    from core.loading import _cache_dir, embedded_source
+    from core.io.loading import _cache_dir, embedded_source
 
     return AutoModelForCausalLM.from_pretrained(_cache_dir(embedded_source()), dtype=torch.float32).eval()
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.cli import main
-from core.loading import load_tokenizer
-from core.prompting import MAX_DOCUMENT_CHARS
+from core.cli.main import main
+from core.io.loading import load_tokenizer
+from core.io.prompting import MAX_DOCUMENT_CHARS
 
 from app.documents import DocumentError, read_document
 from app.pdf import PdfLimits, PdfRefused, extract, read_pdf

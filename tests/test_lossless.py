@@ -7,11 +7,11 @@ import time
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-import core.planner
-import core.triforce
+import core.plan.planner
+import core.decode.triforce
 from core.config import GenerationConfig
 from core.events import Verdict
-from core.repetition import Repetition
+from core.decode.repetition import Repetition
 from tests.lossless import BIASED_DRAWS, CFG, DRAWS, GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
 
@@ -29,7 +29,7 @@ def test_hierarchy_is_lossless_and_detects_level2_bias(monkeypatch, one_thread):
     p_ok = chi_square_p(counts, expected, DRAWS)
     assert p_ok > 1e-3, f"exact sampler rejected (p={p_ok:.2e}, {elapsed:.0f}s)"
 
-    monkeypatch.setattr(core.triforce, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(core.decode.triforce, "residual_distribution", lambda p, q: p)
     with torch.no_grad():
         biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS)
     p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
@@ -81,7 +81,7 @@ def test_drafting_ahead_is_lossless_and_an_off_by_one_q_or_an_unchecked_guess_is
     p_ok = chi_square_p(counts, expected, DRAWS)
     assert p_ok > 1e-3, f"drafting ahead rejected (p={p_ok:.2e})"
 
-    draft_ahead = core.triforce.TriForce.draft_ahead
+    draft_ahead = core.decode.triforce.TriForce.draft_ahead
 
     def shifted(self, seq, committed, draft, made):
         made.draft.q = [made.q, *made.draft.q[:-1]]
@@ -95,7 +95,7 @@ def test_drafting_ahead_is_lossless_and_an_off_by_one_q_or_an_unchecked_guess_is
             bias(self, seq, committed, draft, made)
             return made
 
-        monkeypatch.setattr(core.triforce.TriForce, "draft_ahead", biased_ahead)
+        monkeypatch.setattr(core.decode.triforce.TriForce, "draft_ahead", biased_ahead)
         with torch.no_grad():
             biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS, **ahead)
         p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
@@ -108,13 +108,13 @@ def test_level_2_s_guess_stands_about_as_often_as_level_3_accepts_a_draft(monkey
     token, where the likeliest token, kept only when level 3 draws it, would stand far less often."""
     engine, prompt = tiny_engine()
     hits = []
-    guessed = core.planner.Planner.guessed
+    guessed = core.plan.planner.Planner.guessed
 
     def recording(self, hit):
         hits.append(hit)
         guessed(self, hit)
 
-    monkeypatch.setattr(core.planner.Planner, "guessed", recording)
+    monkeypatch.setattr(core.plan.planner.Planner, "guessed", recording)
     with torch.no_grad():
         _, levels = emitted_pairs(engine, prompt, 40, max_new_tokens=16, gamma2=1, temperature=2.0, drafter="none",
                                   reselect="once", draft_ahead="on")

@@ -4,11 +4,11 @@ test_lossless.py on each; a separate module so the suite's two workers share the
 
 import torch
 
-import core.drafters
+import core.decode.drafters
 from core.config import GenerationConfig
 from core.engine import Engine
-from core.kvcache import KVCache
-from core.model import Fusion
+from core.cache.kvcache import KVCache
+from core.model.transformer import Fusion
 from tests.stats import chi_square_p
 from tests.lossless import CFG, DEVICE, GATED_DRAWS, VOCAB, emitted_pairs, target_pairs, tiny_engine
 
@@ -84,13 +84,13 @@ def test_fused_drafting_gets_the_target_state_and_is_lossless(monkeypatch, one_t
     stays exact."""
     engine, prompt = fused_engine()
     calls = []
-    original = core.drafters.ModelDrafter.propose
+    original = core.decode.drafters.ModelDrafter.propose
 
     def record(self, seq, n, trusted, extra=(), feature=None):
         calls.append((seq + list(extra), feature))
         return original(self, seq, n, trusted, extra, feature)
 
-    monkeypatch.setattr(core.drafters.ModelDrafter, "propose", record)
+    monkeypatch.setattr(core.decode.drafters.ModelDrafter, "propose", record)
     m = engine.target
     with torch.no_grad():
         cfg = GenerationConfig(**{**CFG, "budget": 64, "max_new_tokens": 8}, seed=1).validate()

@@ -6,8 +6,8 @@ import weakref
 import pytest
 import torch
 
-from core.kvcache import KVCache
-from core.ops import TORCH
+from core.cache.kvcache import KVCache
+from core.model.ops import TORCH
 from tests.tiny import tiny_config, tiny_pair
 
 ROPES = {
@@ -63,7 +63,7 @@ def test_qwen2_uses_qkv_bias():
 def test_embedded_model_matches_transformers(embedded):
     from transformers import AutoModelForCausalLM
 
-    from core.loading import _cache_dir, embedded_source
+    from core.io.loading import _cache_dir, embedded_source
 
     hf = AutoModelForCausalLM.from_pretrained(_cache_dir(embedded_source()), dtype=torch.float32).eval()
     ids = torch.tensor(embedded.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"])
@@ -85,7 +85,7 @@ def flash_reference(q, k, v, causal):
 
 def test_prefill_uses_flash_attn_when_installed(monkeypatch):
     """The optional flash-attn path (prefill on a GPU) hands it the right layout: same output as SDPA."""
-    import core.ops as ops
+    import core.model.ops as ops
     calls = []
 
     def fake_flash(q, k, v, causal):
@@ -106,8 +106,8 @@ def test_dequantised_gguf_cache_is_keyed_by_content(tmp_path):
     """One cached checkpoint per model: the same file in two places shares it, another file does not."""
     import struct
 
-    from core.inputs import GGUF_MAGIC
-    from core.loading import Source, _cache_dir
+    from core.io.inputs import GGUF_MAGIC
+    from core.io.loading import Source, _cache_dir
     header = struct.pack("<IIQQ", GGUF_MAGIC, 3, 1, 1)  # one tensor and one metadata entry: a header that reads
     for name, data in (("a", header + b"same bytes" * 20), ("b", header + b"same bytes" * 20),
                        ("c", header + b"other bytes" * 20)):
@@ -120,7 +120,7 @@ def test_dequantised_gguf_cache_is_keyed_by_content(tmp_path):
 def test_fused_projections_keep_no_copy_of_the_separate_weights():
     """Fusing q/k/v and gate/up leaves the separate projections as views of the fused weight, even for a model whose
     parameters still require grad (an autograd node must not keep the old weights alive: 9 GB at the 7B shape)."""
-    from core.model import Transformer
+    from core.model.transformer import Transformer
 
     model = Transformer(tiny_config())
     old = weakref.ref(model.layers[0].self_attn.q_proj.weight)
@@ -135,7 +135,7 @@ def test_row_wise_cpu_ops_compute_each_row_as_a_one_row_input():
     """On a CPU the row-wise operators (RMSNorm, RoPE, SwiGLU) give row i of a k-row input bit for bit what a 1-row
     input gives; projections go to the BLAS library, whose blocking may depend on the row count, so bitwise
     identity of a whole step is a property of the GPU kernels (tests/test_gpu.py), not promised here."""
-    from core.ops import TORCH
+    from core.model.ops import TORCH
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(16, 576, generator=g), torch.randn(576, generator=g)
     heads = torch.randn(16, 9, 64, generator=g)
@@ -152,13 +152,13 @@ def test_row_wise_cpu_ops_compute_each_row_as_a_one_row_input():
 
 
 def test_decode_steps_project_through_the_gemv_and_a_drafting_level_s_one_token_steps_through_fused_kernels():
-    """TritonOps (here over a stand-in for core.kernels that records its calls): a decode step's projections, the
+    """TritonOps (here over a stand-in for core.model.kernels that records its calls): a decode step's projections, the
     LM head included, go to the GEMV, whose rows do not depend on the row count, with RMSNorm and SwiGLU kernels of
     their own; the drafting operators (levels 1 and 2) do the same for several tokens, but a one-token step folds
     each norm into the projection after it and SwiGLU into the down projection. All compute what TorchOps does."""
     from types import SimpleNamespace
 
-    from core.ops import TritonOps
+    from core.model.ops import TritonOps
 
     calls = []
 
@@ -195,7 +195,7 @@ def test_tokens_fed_on_the_device_join_a_level_once_settled_and_compute_what_hos
     """A level fed its own draws on the device (Level.follow) computes what it computes fed the same ids from the
     host, and once their ids are settled it holds them as its sequence, so its next forward feeds only what is new
     (a placeholder left in it would roll the cache back to there and feed the draft again)."""
-    from core.levels import Level
+    from core.decode.levels import Level
     _, model = tiny_pair(tiny_config(layers=2))
     prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     draws = [17, 4, 61]

@@ -9,12 +9,12 @@ import torch
 from core.config import GenerationConfig, TriForceError
 from core.engine import Engine
 from core.events import Finished, PlanChosen, PromptReady, StepTiming, Verdict
-from core.kvcache import KVCache
-from core.levels import Level
-from core import offload
-from core.offload import OffloadedKVCache
-from core.memory import GiB, Memory
-from core.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.cache.kvcache import KVCache
+from core.decode.levels import Level
+from core.cache import offload
+from core.cache.offload import OffloadedKVCache
+from core.cache.memory import GiB, Memory
+from core.cache.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
 from tests.stats import chi_square_p
 from tests.lossless import DEVICE, emitted_pairs, target_pairs, tiny_engine
 from tests.tiny import DigitTokenizer, tiny_config, tiny_pair
@@ -208,7 +208,7 @@ def test_placement_offloads_only_beyond_the_device_limit(monkeypatch):
         plan(2 * GiB, GenerationConfig(offload="off"))
     with pytest.raises(TriForceError, match="even with the KV cache offloaded"):
         plan(GiB + GiB // 10)
-    monkeypatch.setattr("core.memory.host_available", lambda: full // 2)
+    monkeypatch.setattr("core.cache.memory.host_available", lambda: full // 2)
     with pytest.raises(TriForceError, match="CPU memory"):
         plan(2 * GiB)
 
@@ -224,10 +224,10 @@ def test_the_kept_offloaded_cache_counts_as_available_host_memory(monkeypatch):
     def held() -> int:
         return engine.memory.kept.cache.nbytes if engine.memory.kept else 0
 
-    monkeypatch.setattr("core.memory.host_available", lambda: int(1.5 * need) - held())
+    monkeypatch.setattr("core.cache.memory.host_available", lambda: int(1.5 * need) - held())
     assert finish(engine, offload="on", max_new_tokens=4).stats.offloaded  # reused
     assert finish(engine, offload="on", max_new_tokens=40).stats.offloaded  # larger: the old one given back first
-    monkeypatch.setattr("core.memory.host_available", lambda: int(0.5 * need) - held())
+    monkeypatch.setattr("core.cache.memory.host_available", lambda: int(0.5 * need) - held())
     with pytest.raises(TriForceError, match="CPU memory"):
         finish(engine, offload="on", max_new_tokens=4)
 

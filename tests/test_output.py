@@ -1,7 +1,7 @@
 """The growing answer: text pieces add up to the decoded text; EOS, stop strings and max_new_tokens stop it."""
 
 from core.config import GenerationConfig
-from core.output import Output
+from core.decode.output import Output
 
 
 def feed(embedded, text: str, cfg: GenerationConfig, eos: set[int] = frozenset(), extra: list[int] = ()):

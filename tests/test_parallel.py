@@ -10,12 +10,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from core.cli import main
+from core.cli.main import main
 from core.config import GenerationConfig, TriForceError
 from core.engine import Engine
 from core.events import Finished
-from core.kvcache import KVCache
-from core.parallel import TensorParallel, joined, launch, parallelize, shard
+from core.cache.kvcache import KVCache
+from core.model.parallel import TensorParallel, joined, launch, parallelize, shard
 from tests.stats import chi_square_p
 from tests.lossless import CFG, emitted_pairs, target_pairs, tiny_engine
 from tests.tiny import tiny_config, tiny_pair

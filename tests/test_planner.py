@@ -9,17 +9,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-import core.planner
-import core.triforce
+import core.plan.planner
+import core.decode.triforce
 from core.config import GenerationConfig
-from core.cuda_graphs import Graphs
-from core.drafters import NgramDrafter
+from core.decode.graphs import Graphs
+from core.decode.drafters import NgramDrafter
 from core.events import Finished, PlanChosen
-from core.model import Transformer
-from core.planner import (AUTOREGRESSIVE, CARRIED_WEIGHT, CAUTION, CHAIN_GAMMA, MAX_SWITCHES, MIN_ROUNDS,
+from core.model.transformer import Transformer
+from core.plan.planner import (AUTOREGRESSIVE, CARRIED_WEIGHT, CAUTION, CHAIN_GAMMA, MAX_SWITCHES, MIN_ROUNDS,
                           PRIOR_WEIGHT, SETTLE_MS, WEIGH_EVERY_MS, WEIGH_MOST_MS, CostBook, Costs, Drafting, Estimate,
                           Estimates, Hierarchy, Planner, best, candidates, expected_tokens, prior, rate)
-from core.triforce import SHADOW_GAMMA
+from core.decode.triforce import SHADOW_GAMMA
 from tests.lossless import CFG, GATED_DRAWS, emitted_pairs, target_pairs, tiny_engine
 from tests.stats import chi_square_p
 
@@ -507,7 +507,7 @@ def test_auto_learns_prompt_lookup_s_figures_from_rounds_it_did_not_draft(monkey
     through a fresh lookup as levels 1 → 3 at γ SHADOW_GAMMA would have (a proposal spans rounds: here, one-token
     autoregressive rounds)."""
     engine, prompt = tiny_engine()
-    monkeypatch.setattr(core.triforce, "Planner", Autoregressive)
+    monkeypatch.setattr(core.decode.triforce, "Planner", Autoregressive)
     cfg = GenerationConfig(method="auto", drafter="auto", greedy=True, max_new_tokens=40, budget=8, chunk_size=4,
                            sink_tokens=4, window_tokens=12).validate()
     with torch.no_grad():
@@ -597,13 +597,13 @@ def test_a_plan_that_keeps_winning_is_weighed_at_doubling_intervals_and_a_switch
     """Each weighing that keeps the plan doubles the decoding time before the next, up to WEIGH_MOST_MS (weighing
     costs ~0.35 ms of Python: every 20 ms it took ~2 % of a small model's decoding); a switch starts again at
     WEIGH_EVERY_MS."""
-    elapsed, weighed, weigh = 0.0, [], core.planner.best
+    elapsed, weighed, weigh = 0.0, [], core.plan.planner.best
 
     def counted(options, e, caution):
         weighed.append(elapsed)
         return weigh(options, e, caution)
 
-    monkeypatch.setattr(core.planner, "best", counted)
+    monkeypatch.setattr(core.plan.planner, "best", counted)
     p = Planner(estimates(level1=0.9, level2=0.95, level3={1: 1.0, 7: 1.2}, a1=0.3, a2=0.5), DRAFT,
                 gamma1_max=2, gamma2_max=31)
     while elapsed < 700:
@@ -772,7 +772,7 @@ def test_greedy_auto_equals_autoregressive_with_real_and_cycling_plans(monkeypat
                   if isinstance(e, Finished))
         auto = list(engine.generate_ids(prompt, GenerationConfig(method="auto", **base)))
         assert auto[-1].token_ids == ar.token_ids and any(isinstance(e, PlanChosen) for e in auto)
-        monkeypatch.setattr(core.triforce, "Planner", Cycling)
+        monkeypatch.setattr(core.decode.triforce, "Planner", Cycling)
         for drafter in ("auto", "model", "ngram", "none"):
             events = list(engine.generate_ids(prompt, GenerationConfig(method="auto", drafter=drafter, **base)))
             plans = {e.plan for e in events if isinstance(e, PlanChosen)}
@@ -781,7 +781,7 @@ def test_greedy_auto_equals_autoregressive_with_real_and_cycling_plans(monkeypat
 
 def test_switching_hierarchies_every_round_is_lossless(monkeypatch, one_thread):
     engine, prompt = tiny_engine()
-    monkeypatch.setattr(core.triforce, "Planner", Cycling)
+    monkeypatch.setattr(core.decode.triforce, "Planner", Cycling)
     with torch.no_grad():
         expected = target_pairs(engine, prompt)
         counts, levels = emitted_pairs(engine, prompt, GATED_DRAWS, method="auto", drafter="auto")

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from core import Engine, GenerationConfig, ModelNotFoundError, TriForceError
-from core.cli import main
+from core.cli.main import main
 from core.events import RetrievalSelection
-from core.install import InstallError, PartPackages, install, models_dir
-from core.presets import Preset, by_id, resolve_preset
+from core.io.install import InstallError, PartPackages, install, models_dir
+from core.io.presets import Preset, by_id, resolve_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = [bytes(range(256)) * 64, b"the middle part " * 1024, b"and the last one" * 100]
@@ -111,7 +111,7 @@ def test_an_interrupted_install_leaves_nothing_that_passes_as_installed(tmp_path
     killed = subprocess.run([sys.executable, "-c", f"""
 import os, signal
 from pathlib import Path
-from core.install import PartPackages, install
+from core.io.install import PartPackages, install
 install([{spec!r}], Path({str(source)!r}),
         log=lambda line: os.kill(os.getpid(), signal.SIGKILL) if "[1/3]" in line else None)
 """], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=120)

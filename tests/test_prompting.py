@@ -8,8 +8,8 @@ import torch
 
 from core import ContextOverflowError, GenerationConfig, ModelNotFoundError, TokenizerMismatchError, TriForceError
 from core.events import Finished, PromptReady
-from core.loading import check_tokenizers, resolve
-from core.prompting import build_prompt
+from core.io.loading import check_tokenizers, resolve
+from core.io.prompting import build_prompt
 
 DOC = "The lighthouse keeper counted ships. " * 40
 
@@ -73,7 +73,7 @@ def test_counting_stops_past_the_context(embedded):
 
 
 def test_document_over_the_character_limit_is_refused(embedded):
-    from core.prompting import MAX_DOCUMENT_CHARS
+    from core.io.prompting import MAX_DOCUMENT_CHARS
 
     with pytest.raises(TriForceError, match=f"characters; the limit is {MAX_DOCUMENT_CHARS:,}$"):
         embedded.generate("x" * (MAX_DOCUMENT_CHARS + 1), "Why?", GenerationConfig())

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from core.config import GenerationConfig
-from core.kvcache import KVCache
-from core.retrieval import LEVEL2_CACHES, ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.cache.kvcache import KVCache
+from core.cache.retrieval import LEVEL2_CACHES, ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
 
 LAYERS, HQ, HKV, D = 3, 6, 2, 8
 
@@ -70,7 +70,7 @@ def test_streaming_keeps_sink_and_recent_chunks():
 
 
 def test_budget_covering_prompt_equals_full_attention():
-    from core.levels import Level
+    from core.decode.levels import Level
     from tests.tiny import tiny_config, tiny_pair
 
     _, model = tiny_pair(tiny_config())

@@ -5,7 +5,7 @@ from collections import Counter
 import torch
 
 from core.config import GenerationConfig
-from core.sampling import distributions, nucleus, row_cumsum, sample, speculative_verify
+from core.decode.sampling import distributions, nucleus, row_cumsum, sample, speculative_verify
 from tests.stats import chi_square_p
 
 V = 6
@@ -108,7 +108,7 @@ def test_repetition_matches_transformers_row_by_row():
     of its token ids."""
     from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-    from core.repetition import Repetition
+    from core.decode.repetition import Repetition
 
     g = torch.Generator().manual_seed(0)
     vocab, start = 30, 10

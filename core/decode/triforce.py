@@ -1,6 +1,6 @@
 """The hierarchical loop: level 1 drafts, level 2 (target + retrieval cache) verifies and drafts for level 3
 (target + full cache), each verification exact speculative sampling; a planner may leave out levels round by
-round (core.planner)."""
+round (core.plan.planner)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from typing import Generator, Iterator, Sequence, TypeVar
 
 import torch
 
-from core.autoregressive import next_token
+from core.decode.autoregressive import next_token
 from core.config import GenerationConfig
-from core.cuda_graphs import Graphs, clock
-from core.drafters import Drafter
+from core.decode.graphs import Graphs, clock
+from core.decode.drafters import Drafter
 from core.events import Acceptance, DraftProposal, Event, Footprint, PlanChosen, Provenance, StepTiming, Verdict
-from core.kvcache import KVCache
-from core.levels import Level
-from core.output import Output
-from core import parallel
-from core.parallel import agree
-from core.planner import Estimates, Hierarchy, Planner
-from core.repetition import Repetition
-from core.retrieval import Retrieval
-from core.sampling import distributions, draw, residual_distribution, speculative_verify
+from core.cache.kvcache import KVCache
+from core.decode.levels import Level, common_prefix
+from core.decode.output import Output
+from core.model import parallel
+from core.model.parallel import agree
+from core.plan.planner import Estimates, Hierarchy, Planner
+from core.decode.repetition import Repetition
+from core.cache.retrieval import Retrieval
+from core.decode.sampling import distributions, draw, residual_distribution, speculative_verify
 
 
 T = TypeVar("T")
@@ -119,7 +119,7 @@ class TriForce:
     """One generation: rounds of level-3 verification until `out` says stop. The target level's full cache must
     hold prompt[:-1]; `queries` are the ones its prefill recorded for the last prompt row (the first selection);
     `drafters`: level 1's, by name (none: level 2 drafts alone), the first the default;
-    `retrieval_cache`: where level 2's cache goes (core.memory sizes it); `index_device`: where the chunk index is
+    `retrieval_cache`: where level 2's cache goes (core.cache.memory sizes it); `index_device`: where the chunk index is
     kept (default: the model's device). Given `estimates` (method auto), a planner chooses each round's hierarchy
     from them and what it measures; without, every round is TriForce's 1 → 2 → 3 (2 → 3 with drafter none) at the
     settings' γs, and the planner only records what the levels cost and accepted."""
@@ -180,7 +180,7 @@ class TriForce:
             committed = len(seq)
             t0 = clock(self.graphs)
             if h.level2:  # level 2's cache takes what level 3 verified since it was last in step, whatever drafted it
-                retrieval.sync(self.level2, target, seq, retrieval.synced)
+                self.keep_level2_in_step(seq)
             sync_s = clock(self.graphs) - t0
             if ready is not None and ready.plan == h:
                 draft, spent = ready.draft, Draft()  # its cost was counted in the round that made it
@@ -255,6 +255,18 @@ class TriForce:
             yield StepTiming(round_, spent.level1_s * 1e3, (spent.level2_s + sync_s) * 1e3, level3_s * 1e3,
                              selection_s * 1e3, accepted + 1, draft.level2_forwards)
             round_ += 1
+
+    def keep_level2_in_step(self, seq: list[int]) -> None:
+        """Drop level 2's rejected tokens and give every token the full cache holds since the last time the full
+        cache's keys and values: the ones level 2 drafted, and those of rounds it sat out."""
+        retrieval, level2 = self.retrieval, self.level2
+        valid = common_prefix(self.target.tokens, seq, retrieval.synced, len(seq))
+        keep = common_prefix(level2.tokens, seq, retrieval.synced, valid)
+        level2.cache.truncate(keep)
+        del level2.tokens[keep:]
+        if valid > retrieval.synced:
+            level2.tokens.extend(seq[keep:valid])
+            retrieval.copy_from_full(valid)
 
     def shadow(self, h: Hierarchy, seq: list[int], emitted: list[int]) -> None:
         """Ask each drafter that needs no model (prompt lookup: microseconds a token), unless it drafted this round,

@@ -11,7 +11,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from core.events import Event, Finished, Loading, PlanChosen, PrefillProgress, PromptReady, Tokens
-from core.loading import needs_conversion
+from core.io.loading import needs_conversion
 
 
 class Progress:

@@ -7,8 +7,9 @@ from typing import Iterator
 
 import torch
 
-from core.model import Rotary
-from core.ops import DECODE_TOKENS, rotate
+from core.model.transformer import Rotary
+from core.config import DECODE_TOKENS
+from core.model.ops import rotate
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """An uninitialised host tensor, page-locked when `pin` (registered at its exact size: the caching pinned

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from core.config import GenerationConfig
-from core.parallel import agree
+from core.model.parallel import agree
 
 
 def distributions(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from core.kvcache import KVCache, pinned_empty
+from core.cache.kvcache import KVCache, pinned_empty
 
 BLOCK = 256  # rows per copied block
 # A graph saves a step the host's launch time (some 20-30 ms for a small model's eager step) and costs, at each new

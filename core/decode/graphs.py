@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from core.kvcache import KVCache
-from core.model import Transformer
-from core.ops import DECODE_TOKENS, TorchOps
+from core.cache.kvcache import KVCache
+from core.model.transformer import Transformer
+from core.config import DECODE_TOKENS
+from core.model.ops import TorchOps
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A compact decoder for Llama-family checkpoints (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) with GQA.
 
 Attention reads and extends a cache (see kvcache.py) holding whatever part of the context a level sees: the full
-context, a retrieved subset, or a StreamingLLM window; core.ops chooses the operators for the device.
+context, a retrieved subset, or a StreamingLLM window; core.model.ops chooses the operators for the device.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from core.config import UnusableModelError
-from core.ops import TORCH, AttentionCache, TorchOps, ops_for
+from core.model.ops import TORCH, AttentionCache, TorchOps, ops_for
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -270,7 +270,7 @@ class Transformer(nn.Module):
 
     @property
     def ops(self) -> TorchOps:
-        """How it computes: core.ops.ops_for its device unless set (e.g. cuBLAS projections, to compare)."""
+        """How it computes: core.model.ops.ops_for its device unless set (e.g. cuBLAS projections, to compare)."""
         return self._ops or ops_for(self.device)
 
     @ops.setter

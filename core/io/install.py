@@ -23,7 +23,7 @@ from packaging.utils import (InvalidSdistFilename, InvalidWheelFilename, canonic
 from packaging.version import Version
 
 from core.config import TriForceError
-from core.loading import cache_root
+from core.io.loading import cache_root
 
 BLOCK = 1 << 24  # bytes read, hashed and written at a time
 Log = Callable[[str], None]

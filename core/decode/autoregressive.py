@@ -7,13 +7,13 @@ from typing import Iterator
 import torch
 
 from core.config import GenerationConfig
-from core.cuda_graphs import clock
+from core.decode.graphs import clock
 from core.events import Event, Footprint, StepTiming
-from core.levels import Level
-from core.output import Output
-from core.planner import Costs, Estimates
-from core.repetition import Repetition
-from core.sampling import distributions, sample
+from core.decode.levels import Level
+from core.decode.output import Output
+from core.plan.planner import Costs, Estimates
+from core.decode.repetition import Repetition
+from core.decode.sampling import distributions, sample
 
 
 NEAR_TIE = 1.0  # greedy runs record the steps whose top two logits are closer than this (rounding can swap them)

@@ -28,10 +28,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from core.config import TriForceError
-from core.ops import TorchOps, ops_for
+from core.model.ops import TorchOps, ops_for
 
 if TYPE_CHECKING:
-    from core.model import ModelArgs, Transformer
+    from core.model.transformer import ModelArgs, Transformer
 
 
 @dataclasses.dataclass

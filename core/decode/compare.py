@@ -3,7 +3,7 @@ differ and whether the autoregressive run's top two logits nearly tied there (ro
 
 from __future__ import annotations
 
-from core.autoregressive import NEAR_TIE
+from core.decode.autoregressive import NEAR_TIE
 
 
 def first_difference(reference: list[int], other: list[int]) -> int | None:

@@ -1,0 +1,1 @@
+"""What comes in: models (loading, presets, installing the offline ones), documents and prompts."""
