@@ -4,8 +4,8 @@ autoregressively, as it does on a small model), tokens/s of each, their ratio pe
 run of each (the functions whose own time differs most between the two). First, after Engine.warm_up as the app
 runs it, the first two AR + auto pairs taken apart (what a first click pays that a second does not).
 
-python -m bench.auto_overhead --shape smollm2_135m --tokenizer DIR [--doc-tokens 8000] [--pairs 6]   # on a GPU
-python -m bench.auto_overhead --shape tiny_49k --tokenizer DIR --doc-tokens 2000                       # on a CPU
+python -m bench.auto_overhead --shape smollm2_135m --tokenizer smollm2-135m [--doc-tokens 8000] [--pairs 6]   # on a GPU
+python -m bench.auto_overhead --shape tiny_49k --tokenizer smollm2-135m --doc-tokens 2000              # on a CPU
 python -m bench.auto_overhead --shape embedded --doc-tokens 7900 --new-tokens 64 --pairs 3   # the embedded model
 """
 
@@ -17,9 +17,8 @@ import pstats
 import statistics
 
 import torch
-from transformers import AutoTokenizer
 
-from bench.common import SHAPES, environment, random_model, save
+from bench.common import SHAPES, environment, random_model, save, tokenizer_of
 from bench.offload import INSTRUCTION, document, run
 from core import Engine, GenerationConfig
 from core.events import Finished, RetrievalSelection, StepTiming
@@ -74,7 +73,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES) + ["embedded"], default="smollm2_135m",
                    help="random weights at this shape, or the embedded model with its preset's settings")
-    p.add_argument("--tokenizer", help="tokenizer directory for a random shape")
+    p.add_argument("--tokenizer", help="tokenizer of a random shape: a preset id (smollm2-135m), directory or hub id")
     p.add_argument("--doc-tokens", type=int, default=8000)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--pairs", type=int, default=6)
@@ -85,7 +84,7 @@ def main() -> None:
         engine = Engine.load()
         tok = engine.tokenizer
     else:
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        tok = tokenizer_of(args.tokenizer)
         shape = SHAPES[args.shape]
         model = random_model({**shape, "vocab_size": max(shape["vocab_size"], len(tok))},
                              *(() if on_gpu else (torch.device("cpu"), torch.float32)))

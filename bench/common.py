@@ -84,23 +84,60 @@ def environment() -> dict:
             "cpu_threads": torch.get_num_threads()}
 
 
+def result_path(name: str) -> Path:
+    """bench/results/NAME.json: one stable file per benchmark, its newest result (the date is inside; git keeps the
+    earlier ones). NAME says what was measured and where (e.g. real-NVIDIA-H200), never when or at which commit."""
+    return RESULTS / f"{name}.json"
+
+
+def earlier_today(path: Path) -> dict:
+    """The result already in `path` when it was written today (UTC), so that a benchmark run in several commands
+    gathers its parts in one file; {} otherwise: a new day's run replaces the file."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    dates = [data.get("date"), *(s.get("date") for s in data.get("sources", []))]
+    return data if any(str(d or "")[:10] == now()[:10] for d in dates) else {}
+
+
 def save(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}-{dt.date.today().isoformat()}.json"
+    path = result_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 
 
 def merge_summary(name: str, section: str, figures: dict) -> Path:
-    """Add `figures` to summary[section] of today's results file `name` (several benchmarks each add theirs; the
-    command and date of each addition are kept), and save it."""
-    path = RESULTS / f"{name}-{dt.date.today().isoformat()}.json"
-    data = json.loads(path.read_text()) if path.exists() else {"summary": {}, "sources": []}
+    """Add `figures` to summary[section] of the results file `name` (several benchmarks each add theirs; the command
+    and date of each addition are kept, and a source's keys once a later one replaced them all), and save it."""
+    data = earlier_today(result_path(name)) or {"summary": {}, "sources": []}
     merged = data["summary"].setdefault(section, {})
     for key, value in figures.items():
         merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+    data["sources"] = [s for s in data["sources"] if set(s.get("keys", [])) - set(figures)]
     data["sources"].append({**environment(), "keys": sorted(figures)})
     return save(name, data)
+
+
+def model_source(spec: str | None) -> str | None:
+    """A benchmark's model argument: a preset id (`python -m core generate --help` lists them; smollm2-135m is the
+    embedded model) stands for its target model's file or hub id, refused in one line where its file is not
+    installed; anything else (a .gguf, a directory, a hub id) is itself."""
+    from core.io.presets import PRESETS
+
+    preset = next((p for p in PRESETS if p.id == spec), None)
+    if preset is None:
+        return spec
+    if message := preset.missing(with_draft=False):
+        raise SystemExit(message)
+    return preset.sources()[0]
+
+
+def tokenizer_of(spec: str | None):
+    """The tokenizer of a model argument (a preset id, .gguf, directory or hub id; see model_source)."""
+    from core.io.loading import load_tokenizer
+
+    return load_tokenizer(model_source(spec))
 
 
 # --- GPU benchmarks: model shapes with random weights ---------------------------------------------------------------
@@ -204,7 +241,8 @@ def random_retrieval(full: KVCache, ctx: int, ops: TorchOps, extra: int = 2048, 
     index = ChunkIndex.build(full, ctx, 8)
     rcache = retrieval_cache(full, index, budget, extra)
     queries = torch.randn(full.k.shape[0], full.k.shape[1], full.k.shape[-1], device=DEV)
-    gather_selection(full, index, select_chunks(index, queries, chunks_to_keep(index, budget)), rcache, ops)
+    kept = chunks_to_keep(index.num_chunks, budget, index.chunk_size)
+    gather_selection(full, index, select_chunks(index, queries, kept), rcache, ops)
     return index, rcache
 
 
@@ -272,13 +310,13 @@ def hf_ar_ms(hf, cache, reps: int = 8) -> float:
 # --- GPU benchmarks: the result file and the command line -----------------------------------------------------------
 
 class GpuResults:
-    """bench/results/<gpu>-<date>.json (or --out): earlier parts kept, each run listed under "runs", the headline
-    figures merged into "summary"; written after every part."""
+    """bench/results/<gpu>.json (or --out): the parts run earlier the same day kept, each run listed under "runs", the
+    headline figures merged into "summary"; written after every part."""
 
     def __init__(self, out: str | None, parts: list[str]):
         name = torch.cuda.get_device_name()
-        self.path = Path(out) if out else RESULTS / f"{name.replace(' ', '-')}-{dt.date.today().isoformat()}.json"
-        self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.path = Path(out) if out else result_path(name.replace(" ", "-"))
+        self.data = earlier_today(self.path)
         cmd, date = command(), now()
         self.data.update({"command": cmd, "gpu": name, "torch": torch.__version__,
                           "transformers": transformers.__version__, "date": date})
@@ -320,7 +358,7 @@ def gpu_parser(description: str, parts: list[str], default: list[str]) -> argpar
     p.add_argument("--draft", default=None, help="level-1 draft for the real parts (e.g. assets/draft; default: none)")
     p.add_argument("--budget", type=int, default=4096, help="retrieval budget of the real part")
     p.add_argument("--reselect", default="once", help="re-selection of the real part: once, every_verify or N")
-    p.add_argument("--out", default=None, help="result file (default bench/results/<gpu>-<date>.json)")
+    p.add_argument("--out", default=None, help="result file (default bench/results/<gpu>.json)")
     return p
 
 

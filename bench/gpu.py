@@ -8,7 +8,7 @@
 
 python -m bench.gpu [--parts check synthetic real replay] [--contexts ...] [--draft assets/draft] [--budget 4096]
     [--reselect once] [--gguf PATH (default: the embedded GGUF)]
-TRIFORCE_GEMV=0 swaps the Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>-<date>.json (or --out) with a
+TRIFORCE_GEMV=0 swaps the Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>.json (or --out) with a
 top-level "summary".
 """
 

@@ -6,7 +6,7 @@ its host time beside its copies; `profile_draft`: a level-2 drafting step at tha
 (graph replay, LM head, sampling, draw) and its projections' GEMVs against cuBLAS.
 
 python -m bench.gpu_profile [--parts profile profile_small] [--contexts 122880] [--real-contexts 131072]
-TRIFORCE_GEMV=0 swaps the Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>-<date>.json (or --out).
+TRIFORCE_GEMV=0 swaps the Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>.json (or --out).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ with random weights, Llama-2-7B unless --shape (`replay`, which reads the `real`
 
 python -m bench.gpu_real [--parts real sweep replay] [--real-contexts 32768 65536 131072] [--draft assets/draft]
     [--budget 4096] [--reselect once] [--gguf PATH (default: the embedded GGUF)]
-Writes bench/results/<gpu>-<date>.json (or --out).
+Writes bench/results/<gpu>.json (or --out).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ budget-4096 retrieval cache, chunk selection, a level-1 step of a llama-68m-shap
 times the prefill chunking variants at the longest context.
 
 python -m bench.gpu_synthetic [--parts synthetic prefill] [--contexts 32768 65536 122880] [--shape llama31_8b]
-TRIFORCE_GEMV=0 swaps the Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>-<date>.json (or --out).
+TRIFORCE_GEMV=0 swaps the Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>.json (or --out).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def synthetic(shape: dict, contexts: list[int], bw: float) -> dict:
             torch.cuda.synchronize()
             row["chunk_index_s"] = time.perf_counter() - t0
             rcache = retrieval_cache(full, index, 4096, 300)
-            n_select = chunks_to_keep(index, 4096)
+            n_select = chunks_to_keep(index.num_chunks, 4096, index.chunk_size)
             row["select_ms"] = sync_ms(lambda: select_chunks(index, queries, n_select), 10)
             ids = select_chunks(index, queries, n_select)
             row["gather_ms"] = sync_ms(lambda: gather_selection(full, index, ids, rcache, ops), 10)

@@ -3,25 +3,24 @@ shapes through Engine.generate at ~128K context — offloaded AR against offload
 greedy), the pinned host->GPU bandwidth measured in the same run, the AR roofline (full KV bytes / that bandwidth),
 acceptances beside every speed, and what the same run projects for a 25 GB/s (PCIe 4.0) link.
 
-python -m bench.offload --tokenizer DIR [--gpu-memory-gib 24] [--context 131072] [--shapes 7b 8b]
+python -m bench.offload --tokenizer TOKENIZER [--gpu-memory-gib 24] [--context 131072] [--shapes 7b 8b]
     [--new-tokens 256] [--ar-tokens 16]
-DIR: any saved Hugging Face tokenizer (its vocabulary sizes the 7B shape's embedding; text comes from assets/docs).
-Writes bench/results/offload-<gpu>-<date>.json with summary.offload.
+TOKENIZER: a preset id (smollm2-135m: the embedded model's), a saved Hugging Face tokenizer directory or hub
+id (its vocabulary sizes the 7B shape's embedding; text comes from assets/docs).
+Writes bench/results/offload-<gpu>.json with summary.offload.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import time
 
 import torch
-from transformers import AutoTokenizer
 
-from bench.common import (DOCS, LLAMA2_7B, LLAMA31_8B, LLAMA32_1B, LLAMA_68M, RESULTS, environment, merge_summary,
-                          random_model, save)
+from bench.common import (DOCS, LLAMA2_7B, LLAMA31_8B, LLAMA32_1B, LLAMA_68M, earlier_today, environment,
+                          merge_summary, random_model, result_path, save, tokenizer_of)
 from core import Engine, GenerationConfig
 from core.events import Finished, PlanChosen, StepTiming
 from core.cache.kvcache import pinned_empty
@@ -129,7 +128,7 @@ def selection_cost(name: str, context: int, budget: int = 8192, chunk: int = 8) 
         index = ChunkIndex.build(full, context, chunk, torch.device(where))
         torch.cuda.synchronize()
         out[f"index_build_s_index_on_{where}"] = time.perf_counter() - t0
-        n_select = chunks_to_keep(index, budget)
+        n_select = chunks_to_keep(index.num_chunks, budget, index.chunk_size)
         select_chunks(index, queries, n_select)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -190,7 +189,7 @@ def shape_run(name: str, tok, args, bw: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", required=True, help="a saved Hugging Face tokenizer directory")
+    p.add_argument("--tokenizer", required=True, help="a preset id (smollm2-135m), tokenizer directory or hub id")
     p.add_argument("--gpu-memory-gib", type=float, default=24.0)
     p.add_argument("--context", type=int, default=131072, help="prompt tokens (about)")
     p.add_argument("--shapes", nargs="+", default=["7b", "8b"], choices=sorted(SHAPES))
@@ -198,7 +197,7 @@ def main() -> None:
     p.add_argument("--ar-tokens", type=int, default=16, help="AR tokens (each streams the whole cache)")
     p.add_argument("--parts", nargs="+", default=["runs", "selection"], choices=["runs", "selection"])
     args = p.parse_args()
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    tok = tokenizer_of(args.tokenizer)
     bw = h2d_gb_s()
     print(f"pinned host->GPU {bw:.1f} GB/s", flush=True)
     selection = [selection_cost(name, args.context) for name in args.shapes] if "selection" in args.parts else []
@@ -227,8 +226,7 @@ def main() -> None:
         r["h2d_gb_s"] = bw
         summary[f"reselect_s_{r['shape']}"] = r["gather_s"] + r["score_topk_ms_index_on_cpu"] / 1e3
     name = "offload-" + torch.cuda.get_device_name().replace(" ", "-")
-    path = RESULTS / f"{name}-{dt.date.today().isoformat()}.json"
-    old = json.loads(path.read_text()) if path.exists() else {}  # an earlier run today: parts are merged
+    old = earlier_today(result_path(name))  # an earlier run today: parts are merged
     env = environment()
     payload = {**old, **env, "gpu": torch.cuda.get_device_name(),
                "commands": old.get("commands", [old["command"]] if old else []) + [env["command"]],

@@ -3,9 +3,10 @@ random weights at the Llama-2-7B shape (level 1: a random llama-68m shape) over 
 Engine.generate, T 0.6 / top-p 0.9 and greedy, with acceptances and the plans auto chose. (Offloaded runs:
 bench.offload; the real pair: bench.real.)
 
-python -m bench.planner --tokenizer DIR [--context 122880] [--new-tokens 256]
-DIR: any saved Hugging Face tokenizer (text from assets/docs). Merges random_7b_onchip_120k into summary.planner of
-bench/results/planner-<date>.json and writes the runs to bench/results/planner-runs-<gpu>-<date>.json.
+python -m bench.planner --tokenizer TOKENIZER [--context 122880] [--new-tokens 256]
+TOKENIZER: a preset id (smollm2-135m: the embedded model's), a saved Hugging Face tokenizer directory or hub id (text
+from assets/docs). Merges random_7b_onchip_120k into summary.planner of bench/results/planner.json and writes the
+runs to bench/results/planner-runs-<gpu>.json.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoTokenizer
 
-from bench.common import LLAMA2_7B, LLAMA_68M, environment, merge_summary, random_model, save
+from bench.common import LLAMA2_7B, LLAMA_68M, environment, merge_summary, random_model, save, tokenizer_of
 from bench.offload import document, run
 from core import Engine, GenerationConfig
 
@@ -24,11 +24,11 @@ SAMPLED = {"temperature": 0.6, "top_p": 0.9}
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--tokenizer", required=True, help="a preset id (smollm2-135m), tokenizer directory or hub id")
     p.add_argument("--context", type=int, default=122880)
     p.add_argument("--new-tokens", type=int, default=256)
     args = p.parse_args()
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    tok = tokenizer_of(args.tokenizer)
     models = []
     for shape in (LLAMA2_7B, LLAMA_68M):
         models.append(random_model({**shape, "vocab_size": max(shape["vocab_size"], len(tok))}))

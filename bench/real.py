@@ -7,7 +7,7 @@ acceptances at both levels; greedy runs of every method must be token-identical 
 
 python -m bench.real --target 1.5B.gguf --draft 0.5B.gguf [--contexts 8192 16384 30000] [--docs code prose needle]
     [--new-tokens 128] [--repeats 1] [--parts onchip offload alone oracle anatomy] [--gammas 8 12 16 20 31]
-Writes bench/results/real-<gpu>-<date>.json (updated after every prompt) with summary.real and the real-pair keys
+Writes bench/results/real-<gpu>.json (updated after every prompt) with summary.real and the real-pair keys
 of summary.planner. `--gammas` adds sampled runs of level 2 drafting alone at each γ2, drafting ahead and not, each
 beside what the planner's cost model expected of it (`bound.gammas`).
 """
@@ -15,9 +15,7 @@ beside what the planner's cost model expected of it (`bound.gammas`).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, RESULTS, environment, finish, merge_summary, save
+from bench.common import DOCS, earlier_today, environment, finish, merge_summary, model_source, result_path, save
 from bench.needle import FILLER, NEEDLE
 from bench.offload import h2d_gb_s
 from core import Engine, GenerationConfig
@@ -267,8 +265,9 @@ def summarise(data: dict, contexts: list[int]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="the 1.5B target: a .gguf, directory or preset id")
-    p.add_argument("--draft", required=True, help="the 0.5B draft (also run alone with prompt lookup)")
+    p.add_argument("--target", required=True, help="the 1.5B target: a preset id (qwen2.5-coder-1.5b), .gguf or directory")
+    p.add_argument("--draft", required=True, help="the 0.5B draft, also run alone with prompt lookup: a preset id "
+                   "(qwen2.5-coder-0.5b), .gguf or directory")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 30000])
     p.add_argument("--docs", nargs="+", default=list(INSTRUCTIONS), choices=list(INSTRUCTIONS))
     p.add_argument("--new-tokens", type=int, default=128)
@@ -280,10 +279,10 @@ def main() -> None:
                    "drafting ahead and not, beside what the planner expects of each")
     p.add_argument("--name", default="real")
     args = p.parse_args()
+    args.target, args.draft = model_source(args.target), model_source(args.draft)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"  # a CPU: a smoke test of the script
     name = f"{args.name}-{gpu.replace(' ', '-')}"
-    path = RESULTS / f"{name}-{dt.date.today().isoformat()}.json"
-    data: dict = json.loads(path.read_text()) if path.exists() else {}  # parts run by earlier commands today
+    data: dict = earlier_today(result_path(name))  # parts run by earlier commands today
     env = environment()
     data.update({**env, "commands": data.get("commands", []) + [env["command"]], "gpu": gpu, "target": args.target,
                  "draft": args.draft, "new_tokens": args.new_tokens})

@@ -6,7 +6,7 @@ gpu   what the Compare tab shows on a GPU: the first and the second greedy click
       process (engine_replay), so the app's share of the cost is visible (app tokens/s over the engine's). The
       figures go to the GPU's result file under summary.app_gpu.
       python -m bench.served gpu --target DIR [--draft assets/draft] [--doc-tokens 8000] [--new-tokens 128]
-      python -m bench.served gpu --random smollm2_135m --tokenizer DIR   # random bf16 weights at that shape
+      python -m bench.served gpu --random smollm2_135m --tokenizer smollm2-135m   # random bf16 weights at that shape
 soak  N mixed runs (TriForce and Compare, greedy and sampled, varied document sizes and budgets, a refused input
       every tenth run) against the embedded model on the CPU; the server's RSS is sampled after each run and must
       end within 20 % of its level after the first 10 runs.
@@ -27,12 +27,12 @@ scale the app at a document's full length (summary.app_scale): the first and the
       over the engine's on the sampled click, per method). Random weights are built as
       bench.common's random models are (PyTorch's default initialisation, not transformers': that one's attention
       is near uniform, where retrieval means nothing).
-      python -m bench.served scale --random llama31_8b --random-draft llama32_1b --tokenizer DIR \\
+      python -m bench.served scale --random llama31_8b --random-draft llama32_1b --tokenizer smollm2-135m \\
           --doc-tokens 120000 --gpu-memory-gib 24 [--new-tokens 64 --clicks 4]   # on the GPU: summary.app_scale
       python -m bench.served scale --doc-tokens 2000 --new-tokens 32   # the embedded model on the CPU
 planner method auto against autoregressive decoding through the served app's Compare, the embedded model on the CPU
       at ~8K tokens (its whole context), greedy and sampled, after a warm-up click: the tokens/s ratios and the
-      plans with their reasons, merged into summary.planner of bench/results/planner-<date>.json.
+      plans with their reasons, merged into summary.planner of bench/results/planner.json.
       python -m bench.served planner [--doc-tokens 7900] [--clicks 2]
 """
 
@@ -57,7 +57,8 @@ import torch
 
 from app.callbacks import COMPARE_OUTPUTS
 from app.presets import CUSTOM, EMBEDDED, preset_by_name
-from bench.common import DOCS, SHAPES, GpuResults, environment, finish, merge_summary, save
+from bench.common import (DOCS, SHAPES, GpuResults, environment, finish, merge_summary, model_source, save,
+                          tokenizer_of)
 from core import Engine, GenerationConfig
 from core.io.loading import load_tokenizer
 
@@ -126,9 +127,9 @@ def compare(client, document: str, preset: str, **settings) -> dict:
 
 def random_model_dir(shape: str, tokenizer: str, out: Path, context: int = 8192, torch_init: bool = False) -> Path:
     """A model directory with random bf16 weights at a named shape (its context cut to `context`, by default the
-    embedded model's 8K) and the tokenizer of the directory `tokenizer`; `torch_init`: the weights drawn as
+    embedded model's 8K) and the tokenizer `tokenizer` (a preset id, directory or hub id); `torch_init`: the weights drawn as
     bench.common.random_model draws them (PyTorch's defaults), not by transformers' initialisation."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     config = LlamaConfig(**{**SHAPES[shape], "max_position_embeddings": context})
@@ -143,7 +144,7 @@ def random_model_dir(shape: str, tokenizer: str, out: Path, context: int = 8192,
     model.save_pretrained(out)
     del model
     torch.cuda.empty_cache()
-    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
+    tokenizer_of(tokenizer).save_pretrained(out)
     return out
 
 
@@ -387,7 +388,7 @@ def scale(args: argparse.Namespace) -> None:
             if args.random_draft else ""
         print(f"random weights written in {time.monotonic() - t_built:.0f} s", flush=True)
     elif args.target:
-        target, draft = args.target, args.draft
+        target, draft = model_source(args.target), model_source(args.draft)
     env = EMBEDDED_ON_CPU if target is None else {"TRIFORCE_TARGET": target, "TRIFORCE_DRAFT": draft or ""}
     if args.gpu_memory_gib:
         env = {**env, "TRIFORCE_GPU_MEMORY_GIB": str(args.gpu_memory_gib)}
@@ -474,7 +475,7 @@ def main() -> None:
     source.add_argument("--target", help="model directory or hub id the app serves")
     source.add_argument("--random", choices=sorted(SHAPES),
                         help="serve random weights at this shape (with --tokenizer)")
-    g.add_argument("--tokenizer", help="tokenizer directory for --random")
+    g.add_argument("--tokenizer", help="tokenizer for --random: a preset id (smollm2-135m), directory or hub id")
     g.add_argument("--draft", default="assets/draft")
     g.add_argument("--doc-tokens", type=int, default=8000)
     g.add_argument("--new-tokens", type=int, default=128)
@@ -489,11 +490,12 @@ def main() -> None:
     w.add_argument("--max-wait", type=float, default=120.0, help="seconds of runs beside one upload at most")
     c = parts.add_parser("scale", help="summary.app_scale: the served app at a document's full length")
     source = c.add_mutually_exclusive_group()
-    source.add_argument("--target", help="model directory or hub id the app serves (default: the embedded model)")
+    source.add_argument("--target", help="preset id, model directory, .gguf or hub id the app serves (default: the "
+                        "embedded model)")
     source.add_argument("--random", choices=sorted(SHAPES), help="random weights at this shape (with --tokenizer)")
     c.add_argument("--random-draft", choices=sorted(SHAPES), help="with --random: a random level-1 draft at this shape")
-    c.add_argument("--tokenizer", help="tokenizer directory for --random")
-    c.add_argument("--draft", help="with --target: its level-1 draft")
+    c.add_argument("--tokenizer", help="tokenizer for --random: a preset id (smollm2-135m), directory or hub id")
+    c.add_argument("--draft", help="with --target: its level-1 draft (a preset id: that preset's target model)")
     c.add_argument("--method", choices=("auto", "triforce"), default="auto", help="the method beside AR")
     c.add_argument("--doc-tokens", type=int, default=120_000)
     c.add_argument("--new-tokens", type=int, default=128)

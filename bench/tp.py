@@ -9,8 +9,8 @@ the scaling over it. Both runs launch decode steps eagerly (no CUDA graphs: tens
 them), so TP 1 and TP N compare like for like.
 
 python -m bench.tp [--context 131072] [--new-tokens 128] [--ar-tokens 16]                      # TP 1, one GPU
-torchrun --nproc-per-node 2 -m bench.tp --baseline bench/results/tp1-<gpu>-<date>.json          # TP 2
-Writes bench/results/tp<N>-<gpu>-<date>.json (rank 0 prints and writes).
+torchrun --nproc-per-node 2 -m bench.tp --baseline bench/results/tp1-<gpu>.json          # TP 2
+Writes bench/results/tp<N>-<gpu>.json (rank 0 prints and writes).
 """
 
 from __future__ import annotations
