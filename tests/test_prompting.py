@@ -218,8 +218,13 @@ def test_prefill_chunks_default_to_2048_on_cpu_and_follow_the_setting(embedded):
 
     assert default_prefill_chunk(embedded.target) == 2048
     doc = (Path(__file__).parent.parent / "assets" / "docs" / "us_constitution.txt").read_text()[:10000]
+    layers = len(embedded.target.layers)
     for chunk, instruction in ((None, "Name one thing."), (1000, "Name two things.")):
         cfg = GenerationConfig(max_new_tokens=1, greedy=True, method="ar", prefill_chunk=chunk)
         done = [e.done for e in embedded.generate(doc, instruction, cfg) if isinstance(e, PrefillProgress)]
         step = chunk or 2048
-        assert len(done) > 1 and done[:-1] == [step * (i + 1) for i in range(len(done) - 1)]
+        # after each chunk, and within one (on a CPU) after each layer but the last: the share of its tokens done
+        chunks = -(-done[-1] // step)
+        assert chunks > 1 and len(done) == chunks * layers and done == sorted(done)
+        assert done[layers - 1::layers][:-1] == [step * (i + 1) for i in range(chunks - 1)]
+        assert done[:layers - 1] == [step * k // layers for k in range(1, layers)]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+import queue
 import threading
 from collections import deque
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -133,11 +136,14 @@ class Level:
 
     def prefill(self, ids: list[int], chunk: int, record: int = 0, stop: threading.Event | None = None
                 ) -> Iterator[int]:
-        """Feed ids into the cache in chunks without computing logits; yields the count done after each chunk. With
-        `record`, self.queries holds the queries of the last `record` ids. Once `stop` is set, the next layer raises
-        Stopped (a chunk can take seconds); on a GPU the host stays within LAYERS_AHEAD layers of the device (Leash),
-        so the Stop lands there and each count yielded is what the device has nearly done."""
+        """Feed ids into the cache in chunks without computing logits; yields the count done after each chunk, and on
+        a CPU, where one chunk's forward takes seconds, after each of its layers too (the share of the chunk's tokens
+        its layers so far stand for). With `record`, self.queries holds the queries of the last `record` ids. Once
+        `stop` is set, the next layer raises Stopped (a chunk can take seconds); on a GPU the host stays within
+        LAYERS_AHEAD layers of the device (Leash), so the Stop lands there and each count yielded is what the device
+        has nearly done."""
         leash = Leash(self.model.device)
+        layers = len(self.model.layers)
 
         def between() -> None:
             leash.step()
@@ -148,9 +154,61 @@ class Level:
             piece = ids[a:a + chunk]
             self.cache.begin(len(piece))
             last = a + chunk >= len(ids)
-            _, queries = self.model.step(torch.tensor(piece, device=self.model.device), self.cache, 0,
-                                         record if last else 0, between, self.ops)
+            forward = functools.partial(self.model.step, torch.tensor(piece, device=self.model.device), self.cache,
+                                        0, record if last else 0, ops=self.ops)
+            if self.model.device.type == "cpu":
+                steps = LayerByLayer(forward, between)
+                for started in steps:  # layer `started` begins: the layers before it are done
+                    if started:
+                        yield a + len(piece) * started // layers
+                _, queries = steps.result
+            else:
+                _, queries = forward(between=between)
             if last:
                 self.queries = queries
             self.tokens.extend(piece)
             yield a + len(piece)
+
+
+class LayerByLayer:
+    """Iterates over the layers of one forward as they begin, the forward running on a helper thread (torch lets go
+    of the GIL while it computes): a generator cannot yield from inside the forward's call back between two layers.
+    `result` holds what the forward returned once the iteration ends; its exception (Stopped included) is raised by
+    the iteration. Leaving the iteration early stops the forward at its next layer and waits for it."""
+
+    def __init__(self, forward: Callable[..., Any], between: Callable[[], None]):
+        self.forward, self.between = forward, between
+        self.result: Any = None
+
+    def __iter__(self) -> Iterator[int]:
+        begun: queue.SimpleQueue = queue.SimpleQueue()
+        left = threading.Event()  # the consumer stopped iterating: the forward stops at its next layer
+        layer = itertools.count()
+
+        def between() -> None:
+            self.between()
+            if left.is_set():
+                raise Stopped
+            begun.put(next(layer))
+
+        def run() -> None:
+            try:
+                begun.put((self.forward(between=between),))
+            except BaseException as err:  # handed to the consumer, which raises it
+                begun.put(err)
+
+        worker = threading.Thread(target=run, name="prefill-forward", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = begun.get()
+                if isinstance(item, int):
+                    yield item
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    self.result = item[0]
+                    return
+        finally:
+            left.set()
+            worker.join()
