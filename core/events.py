@@ -6,12 +6,15 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 # Where an emitted token came from.
-#   draft   level-1 proposal accepted by level 2 and by level 3
-#   copy    the same, for a level-1 token copied from earlier in the text (prompt lookup) instead of a draft model's
-#   level2  sampled by level 2 (its correction or bonus), accepted by level 3
-#   level3  level-3 correction (after a rejection) or bonus (after full acceptance)
-#   target  plain autoregressive decoding
 Provenance = Literal["draft", "copy", "level2", "level3", "target"]
+# Each provenance in words: the one vocabulary of every legend (the app's answer and timeline, the CLI's colours).
+PROVENANCE_LABELS: dict[str, str] = {
+    "draft": "level-1 draft, accepted",  # proposed by level 1, accepted by level 2 and by level 3
+    "copy": "level-1 copy from the text, accepted",  # the same, copied from earlier in the text (prompt lookup)
+    "level2": "level-2 correction/bonus",  # sampled by level 2 after a rejection or a full acceptance, kept by level 3
+    "level3": "level-3 correction/bonus",  # level 3's own token after a rejection or a full acceptance
+    "target": "autoregressive",  # a step that drafted nothing: the target alone on its full cache
+}
 
 
 @dataclass

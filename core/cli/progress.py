@@ -1,6 +1,7 @@
 """What a command-line run is doing, on stderr: loading (and a GGUF's one-time conversion), the prompt and what its
 truncation dropped, prefill, decoding, and the hierarchies method auto chooses. On a terminal prefill and decoding
-are bars (tqdm) that vanish when done; elsewhere (a log, a pipe) each is a plain line."""
+are bars (tqdm) that vanish when done, prefill's from the moment the prompt is ready; elsewhere (a log, a pipe) each
+is a plain line. Also the answer's colours on a terminal and their legend, in core.events' provenance words."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from core.events import Event, Finished, Loading, PlanChosen, PrefillProgress, PromptReady, Tokens
+from core.events import PROVENANCE_LABELS, Event, Finished, Loading, PlanChosen, PrefillProgress, PromptReady, Tokens
 from core.io.loading import needs_conversion
+
+PREFILL_LINES = 10  # off a terminal, prefill says how far it is at most this many times
+# An answer token's colour on a terminal by its provenance (ANSI code, colour name); autoregressive tokens stay plain.
+ANSI_COLOURS = {"draft": ("\033[32m", "green"), "copy": ("\033[36m", "cyan"), "level2": ("\033[33m", "yellow"),
+                "level3": ("\033[35m", "magenta")}
+LEGEND = "  ".join([*(f"{name}: {PROVENANCE_LABELS[key]}" for key, (_, name) in ANSI_COLOURS.items()),
+                    f"plain: {PROVENANCE_LABELS['target']}"])
 
 
 class Progress:
@@ -25,6 +33,7 @@ class Progress:
         self.label = ""  # the run's name in front of its lines (compare runs two)
         self.bars: dict[str, tqdm] = {}
         self.count_tokens, self.tokens, self.max_new_tokens = True, 0, 0
+        self.prefill_lines = 0  # off a terminal: the PREFILL_LINES-ths of the prompt a line has said are done
 
     def say(self, line: str) -> None:
         """One line, above any bar."""
@@ -63,6 +72,8 @@ class Progress:
                 self.say(f"warning: the document is longer than the context ({event.context_length:,} tokens): its "
                          f"middle {event.dropped_tokens:,} tokens were dropped (beginning and end kept; "
                          "--overflow refuse refuses instead)")
+            self._bar("prefill", f"{prefix}prefill", event.prompt_tokens, 0)  # at 0 until its first forward reports
+            self.prefill_lines = 0
         elif isinstance(event, PrefillProgress):
             self._prefill(prefix, event)
         elif isinstance(event, PlanChosen):
@@ -78,7 +89,8 @@ class Progress:
             self.say(f"{prefix}prefill: the previous run's cache already holds this prompt")
         elif self.terminal:
             self._bar("prefill", f"{prefix}prefill", event.total, event.done)
-        else:
+        elif (tenth := event.done * PREFILL_LINES // max(event.total, 1)) > self.prefill_lines:
+            self.prefill_lines = tenth  # (a CPU reports every layer: a line for each would flood a log)
             self.say(f"{prefix}prefill {event.done:,} / {event.total:,} tokens ({event.seconds:.1f} s)")
         if event.done >= event.total:
             self._close()
@@ -90,6 +102,7 @@ class Progress:
         if name not in self.bars:
             self.bars[name] = tqdm(total=total, desc=description, unit="tok", leave=False, file=self.stream)
         bar = self.bars[name]
+        bar.total = total  # (prefill's counts the prompt but its last token, which decoding feeds)
         bar.update(done - bar.n)
 
     def _close(self) -> None:
