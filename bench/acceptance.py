@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--documents", nargs="+", default=held_out_documents())
     p.add_argument("--drafters", nargs="+", default=["model", "model:0.5", "ngram"])
     p.add_argument("--seeds", type=int, default=1, help="sampled runs per instruction at T=0.6")
-    p.add_argument("--name", default="acceptance", help="results file name (bench/results/NAME-DATE.json)")
+    p.add_argument("--name", default="acceptance", help="results file name (bench/results/NAME.json)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     engine = Engine.load(args.target, args.draft, args.device)

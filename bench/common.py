@@ -9,6 +9,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -71,7 +72,7 @@ def drafter_settings(spec: str) -> dict:
 def command() -> str:
     """This process's command line as typed (`python -m bench.NAME ...`, with TRIFORCE_GEMV when it is set)."""
     env = [f"TRIFORCE_GEMV={os.environ['TRIFORCE_GEMV']}"] if "TRIFORCE_GEMV" in os.environ else []
-    return " ".join([*env, "python", "-m", "bench." + Path(sys.argv[0]).stem, *sys.argv[1:]])
+    return shlex.join([*env, "python", "-m", "bench." + Path(sys.argv[0]).stem, *sys.argv[1:]])  # '' survives
 
 
 def now() -> str:

