@@ -18,7 +18,7 @@ import shlex
 import statistics
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,12 +313,11 @@ def figure(x: float) -> str:
 def headline(results: dict[str, dict]) -> str:
     rows = headline_rows(results)
     cmds = list(dict.fromkeys(r.command for r in rows))
-    lines = ["| hardware | model | context | KV cache in | method | AR tokens/s | method tokens/s | ratio "
-             "| level-2 acceptance | command | date |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r.hardware} | {r.model} | {kilo(r.context)} | {r.cache} | {r.method} | {figure(r.ar_tok_s)} | "
-              f"{figure(r.tok_s)} | {r.ratio:.2f}× | {r.acceptance} | [{cmds.index(r.command) + 1}](#commands) | "
-              f"{r.date} |" for r in rows]
-    notes = [f"All runs sampled at temperature 0.6 and top-p 0.9. Tokens/s count decoding only, prefill apart; ratio = "
+    lines = list(grid(["hardware", "model", "context", "KV cache in", "method", "AR tokens/s", "method tokens/s",
+                       "ratio", "level-2 acceptance", "command", "date"], (
+        [r.hardware, r.model, kilo(r.context), r.cache, r.method, figure(r.ar_tok_s), figure(r.tok_s),
+         f"{r.ratio:.2f}×", r.acceptance, f"[{cmds.index(r.command) + 1}](#commands)", r.date] for r in rows)))
+    notes = ["All runs sampled at temperature 0.6 and top-p 0.9. Tokens/s count decoding only, prefill apart; ratio = "
              "the method's tokens/s over AR's (over several prompts or clicks, each column is the mean of theirs). "
              "Level-2 acceptance = the share of the tokens drafted on the small retrieval cache that the model on its "
              "full cache kept; random weights measure speed only, and their acceptance says nothing of a trained "
@@ -371,95 +370,79 @@ def section(stem: str, data: dict) -> list[str]:
     return lines
 
 
+def grid(header: list[str], rows: Iterable[Iterable[str]]) -> Iterator[str]:
+    """A Markdown table."""
+    yield "| " + " | ".join(header) + " |"
+    yield "|" + "---|" * len(header)
+    yield from ("| " + " | ".join(row) + " |" for row in rows)
+
+
+def sampling(label: str) -> str:
+    return SAMPLED if label.startswith("T") else label
+
+
 def figures(stem: str, data: dict) -> Iterator[str]:
+    """The figures of one result file: a table made for the benchmark where there is one, else its summary."""
     if stem.startswith("real-") and any(k in data for k in ("onchip", "offload")) and "summary" in data:
         for regime in ("onchip", "offload"):
             for prompt, result in data.get(regime, {}).items():
-                sampled = result["sampled"]
-                ar = sampled["ar"]
+                runs = result["sampled"]
+                ar = runs["ar"]["ms_per_token"]
                 where = "KV cache on the GPU" if regime == "onchip" else "KV cache in CPU memory"
-                yield (f"**{prompt.replace('@', ' document, ')} tokens, {where}**: AR {1000 / ar['ms_per_token']:.0f} "
-                       f"tokens/s, {SAMPLED}")
+                title = f"{prompt.replace('@', ' document, ')} tokens, {where}"
+                yield f"**{title}**: AR {1000 / ar:.0f} tokens/s, {SAMPLED}"
                 yield ""
-                yield "| method | tokens/s | ratio | level-1 acc. | level-2 acc. |"
-                yield "|---|---|---|---|---|"
-                for method, r in sampled.items():
-                    if method != "ar":
-                        yield (f"| {method} | {1000 / r['ms_per_token']:.0f} | "
-                               f"{ar['ms_per_token'] / r['ms_per_token']:.2f}× | {share(r['level1_acceptance'])} | "
-                               f"{share(r['level2_acceptance'])} |")
+                yield from grid(["method", "tokens/s", "ratio", "level-1 acc.", "level-2 acc."], (
+                    [method, f"{1000 / r['ms_per_token']:.0f}", f"{ar / r['ms_per_token']:.2f}×",
+                     share(r["level1_acceptance"]), share(r["level2_acceptance"])]
+                    for method, r in runs.items() if method != "ar"))
                 yield ""
         yield ("*triforce-model*: the three levels with the 0.5B draft model at level 1; *triforce-ngram*: with prompt "
                "lookup at level 1; *triforce-none*: level 2 drafting alone; *auto-no-ahead*: method auto without "
                "drafting ahead (see [gpus-and-offloading.md](gpus-and-offloading.md#drafting-ahead)); — where a "
                "level drafted nothing.")
-        return
-    if stem == "offload-NVIDIA-H200" or stem == "planner-runs-NVIDIA-H200":
+    elif stem in ("offload-NVIDIA-H200", "planner-runs-NVIDIA-H200"):
         runs = [(shape, x) for shape, r in data.get("shapes", {}).items() for x in r["runs"]] if "shapes" in data \
             else [("7b", x) for x in data["runs"].values()]
-        yield "| shape | method | sampling | prompt tokens | ms/token | level-2 acc. | tokens per full-cache pass |"
-        yield "|---|---|---|---|---|---|---|"
-        for shape, x in runs:
-            sampling = SAMPLED if x["sampling"].startswith("T") else x["sampling"]
-            yield (f"| {shape} | {x['method']} | {sampling} | {x['prompt_tokens']:,} | {figure(x['ms_per_token'])} "
-                   f"| {share(x['level2_acceptance'])} | {x['tokens_per_target_forward']:.1f} |")
-        return
-    if stem.startswith("cpu-") and "rows" in data:
-        yield "| context | sampling | method | drafter | tokens/s | ratio | level-1 acc. | level-2 acc. |"
-        yield "|---|---|---|---|---|---|---|---|"
-        for r in data["rows"]:
-            acc = [share(r.get(k)) for k in ("level1_acceptance", "level2_acceptance")]
-            ratio = f"{r['speedup']:.2f}×" if r.get("speedup") else "—"
-            yield (f"| {r['context']:,} | {'greedy' if r.get('greedy') else SAMPLED} | {r['method']} | "
-                   f"{r.get('drafter') or '—'} | {r['tokens_per_s']:.3g} | {ratio} | {acc[0]} | {acc[1]} |")
-        return
-    if stem == "served-planner-cpu":
-        yield "| click | AR tokens/s | auto tokens/s | ratio | what auto ran |"
-        yield "|---|---|---|---|---|"
-        for name, r in data["runs"].items():
-            plans = "; then ".join(dict.fromkeys(p["plan"] for p in r["plans"]))
-            yield (f"| {name} | {r['ar_tokens_per_s']:.3g} | {r['triforce_tokens_per_s']:.3g} | {r['speedup']:.2f}× "
-                   f"| {plans} |")
-        return
-    if isinstance(data.get("summary"), list) and stem.startswith("acceptance"):
-        yield "| sampling | level-1 drafter | proposed | accepted | level-1 acc. | tokens per full-cache step |"
-        yield "|---|---|---|---|---|---|"
-        for r in data["summary"]:
-            sampling = SAMPLED if r["setting"].startswith("T") else r["setting"]
-            yield (f"| {sampling} | {r['drafter']} | {r['level1_proposed']:,} | {r['level1_accepted']:,} | "
-                   f"{share(r['level1_acceptance'])} | {r['tokens_per_target_forward']:.2f} |")
-        return
-    if isinstance(data.get("summary"), list) and stem.startswith("retrieval-quality"):
-        yield "| choice of chunks | budget | level-2 acc. (per token) | greedy agreement | attention recall |"
-        yield "|---|---|---|---|---|"
-        for r in data["summary"]:
-            yield (f"| {r['variant']} | {r['budget_label']} | {r['acceptance']:.3f} | {r['greedy_agreement']:.3f} | "
-                   f"{r['attention_recall']:.3f} |")
-        return
-    if stem == "served-stop":
+        yield from grid(["shape", "method", "sampling", "prompt tokens", "ms/token", "level-2 acc.",
+                         "tokens per full-cache pass"], (
+            [shape, x["method"], sampling(x["sampling"]), f"{x['prompt_tokens']:,}", figure(x["ms_per_token"]),
+             share(x["level2_acceptance"]), f"{x['tokens_per_target_forward']:.1f}"] for shape, x in runs))
+    elif stem.startswith("cpu-") and "rows" in data:
+        yield from grid(["context", "sampling", "method", "drafter", "tokens/s", "ratio", "level-1 acc.",
+                         "level-2 acc."], (
+            [f"{r['context']:,}", "greedy" if r.get("greedy") else SAMPLED, r["method"], r.get("drafter") or "—",
+             f"{r['tokens_per_s']:.3g}", f"{r['speedup']:.2f}×" if r.get("speedup") else "—",
+             share(r.get("level1_acceptance")), share(r.get("level2_acceptance"))] for r in data["rows"]))
+    elif stem == "served-planner-cpu":
+        yield from grid(["click", "AR tokens/s", "auto tokens/s", "ratio", "what auto ran"], (
+            [name, f"{r['ar_tokens_per_s']:.3g}", f"{r['triforce_tokens_per_s']:.3g}", f"{r['speedup']:.2f}×",
+             "; then ".join(dict.fromkeys(p["plan"] for p in r["plans"]))] for name, r in data["runs"].items()))
+    elif isinstance(data.get("summary"), list) and stem.startswith("acceptance"):
+        yield from grid(["sampling", "level-1 drafter", "proposed", "accepted", "level-1 acc.",
+                         "tokens per full-cache step"], (
+            [sampling(r["setting"]), r["drafter"], f"{r['level1_proposed']:,}", f"{r['level1_accepted']:,}",
+             share(r["level1_acceptance"]), f"{r['tokens_per_target_forward']:.2f}"] for r in data["summary"]))
+    elif isinstance(data.get("summary"), list) and stem.startswith("retrieval-quality"):
+        yield from grid(["choice of chunks", "budget", "level-2 acc. (per token)", "greedy agreement",
+                         "attention recall"], (
+            [r["variant"], r["budget_label"], *(f"{r[k]:.3f}" for k in ("acceptance", "greedy_agreement",
+                                                                         "attention_recall"))]
+            for r in data["summary"]))
+    elif stem == "served-stop":
         yield "Seconds from Stop until a short run then finished: " + ", ".join(
             f"{x:.1f}" for x in data["seconds_until_next_run_finished"]) + "."
-        return
-    if stem == "needle" and isinstance(data.get("rows"), list):
-        yield from table(data["rows"])
-        return
-    flat = list(numbers(data.get("summary", {k: v for k, v in data.items() if k not in
-                                             ("python", "torch", "transformers", "cpu_threads", "date")})))
-    if flat:
-        yield "| figure | value |"
-        yield "|---|---|"
-        yield from (f"| `{k}` | {v} |" for k, v in flat[:60])
+    elif stem == "needle" and isinstance(data.get("rows"), list):
+        rows = data["rows"]
+        keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))))
+        yield from grid(keys, ([cell(r.get(k)) for k in keys] for r in rows))
+    else:
+        flat = list(numbers(data.get("summary", {k: v for k, v in data.items() if k not in
+                                                 ("python", "torch", "transformers", "cpu_threads", "date")})))
+        if flat:
+            yield from grid(["figure", "value"], ([f"`{k}`", v] for k, v in flat[:60]))
         if len(flat) > 60:
             yield f"| … | {len(flat) - 60} more in the file |"
-
-
-def table(rows: list[dict]) -> Iterator[str]:
-    """Rows of flat records as a table of their scalar fields."""
-    keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))))
-    yield "| " + " | ".join(keys) + " |"
-    yield "|" + "---|" * len(keys)
-    for r in rows:
-        yield "| " + " | ".join(cell(r.get(k)) for k in keys) + " |"
 
 
 def cell(v) -> str:
