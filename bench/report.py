@@ -111,14 +111,16 @@ ABOUT = {
     "acceptance-ceiling": About("Level-1 acceptance ceiling", "The target itself as the level-1 model on its small "
                                 "cache: the best any draft of that cache can do."),
     "acceptance-draft9": About("Level-1 acceptance of an unshipped draft", "A training round's draft, kept for the "
-                               "draft's model card."),
+                               "draft's model card; that draft was not kept, so the command cannot be run again."),
     "acceptance-h200": About("Level-1 acceptance on a GPU", "The same measurement through the GPU path."),
-    "draft-8plus4": About("A deeper draft's training", "Logs of a draft that was trained and not shipped."),
+    "draft-8plus4": About("A deeper draft's training", "Logs of a draft that was trained and not shipped, with the "
+                          "training commands as recorded (the data and drafts they name were not kept; the training "
+                          "code is `python -m distill`, see the draft's model card)."),
     "cpu-step-cost-draft": About("Level-1 step cost, the shipped draft", "For the draft's model card."),
     "cpu-step-cost-deep_8_8_9_28_29": About("Level-1 step cost, a deeper untrained draft", "For the draft's model "
-                                            "card."),
+                                            "card; the untrained draft was not kept."),
     "cpu-step-cost-deep_12_12_13_28_29": About("Level-1 step cost, a still deeper untrained draft", "For the draft's "
-                                               "model card."),
+                                               "model card; the untrained draft was not kept."),
 }
 EXTRA = {"real-onchip-NVIDIA-H200": ["--name", "real-onchip"], "real-gammas-NVIDIA-H200": ["--name", "real-gammas"],
          "acceptance-ceiling": ["--name", "acceptance-ceiling"], "acceptance-h200": ["--name", "acceptance-h200"]}
