@@ -160,6 +160,40 @@ def test_cli_takes_markup_in_user_text_as_text_and_still_runs(files: dict[str, P
     assert r.returncode == 0 and json.loads(r.stdout)["stats"]["stop_reason"], r.stderr
 
 
+GROUP_REFUSALS = [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE must be a whole number of processes, 1 or more, got 'abc'"),
+    ({"RANK": "abc"}, "RANK must be a whole number below WORLD_SIZE (1), got 'abc'"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but no rendezvous: MASTER_ADDR and MASTER_PORT are unset; start the "
+                          "processes with torchrun"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "WORLD_SIZE=2 but no rendezvous: MASTER_PORT is unset"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "RANK must be a whole number below WORLD_SIZE (2), got '2'"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "port"},
+     "MASTER_PORT must be a port number from 1 to 65535, got 'port'"),
+]
+
+
+@pytest.mark.parametrize("env, message", GROUP_REFUSALS, ids=[" ".join(f"{k}={v}" for k, v in env.items())
+                                                              for env, _ in GROUP_REFUSALS])
+def test_cli_refuses_a_bad_process_group_in_one_line(files: dict[str, Path], capfd, monkeypatch, env: dict,
+                                                     message: str) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = run_main(["generate", "--doc", str(files["doc"]), "--prompt", QUESTION, *TINY])
+    out, err = capfd.readouterr()
+    assert code == 2 and out == "" and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+
+
+def test_cli_compare_refuses_method_ar_in_one_line(files: dict[str, Path], capfd) -> None:
+    code = run_main(["compare", "--doc", str(files["doc"]), "--prompt", QUESTION, "--method", "ar", *TINY])
+    out, err = capfd.readouterr()
+    assert code == 2 and out == "" and err == ("error: compare runs autoregressive decoding beside method auto or "
+                                               "triforce: --method ar would compare it with itself; give --method "
+                                               "auto or --method triforce\n")
+
+
 # ---------------------------------------------------------------- PDFs, read in a child process within limits
 
 WORDS = b"BT /F1 12 Tf 72 720 Td (word) Tj ET\n"  # a content stream line that shows a word

@@ -18,7 +18,7 @@ from core.decode.compare import difference_note
 from core.config import GenerationConfig, TriForceError, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
-from core.io.inputs import STDIN, gpu_memory_gib, note_gpu_only, read_capped
+from core.io.inputs import STDIN, gpu_memory_gib, note_gpu_only, process_group, read_capped
 from core.io.install import install
 from core.io.loading import device_and_dtype, load_config
 from core.model.transformer import ModelArgs
@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()  # refusals are one line: no loader warnings around them
     if args.command == "install-models":
         return install_models(args)
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, or launch's
-    rank = int(os.environ.get("RANK", "0"))
+    rank = 0
     try:
+        world, rank = process_group()  # torchrun's, or launch's
         if world == 1 and (args.tp or 1) > 1:  # start the group: each process runs this command as one rank
             check_tp(args)
             return launch(args.tp, main, sys.argv[1:] if argv is None else argv)
@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
     """The command, in this process (one rank of a tensor-parallel group when `tp`)."""
+    if args.command == "compare" and getattr(args, "method", None) == "ar":  # said, not silently compared with auto
+        raise TriForceError("compare runs autoregressive decoding beside method auto or triforce: --method ar would "
+                            "compare it with itself; give --method auto or --method triforce")
     document = read_document(args.doc)
     check_text("document", document)  # bad input is refused in one line, before any progress line or model load
     check_text("question", args.prompt)

@@ -1,6 +1,6 @@
 """Checks on what comes from outside, done before any work on it: files read with a byte cap (a device or a pipe
-reports no size, so its st_size is never trusted), a GGUF file's header read before the file is hashed, and the GPU
-memory a run is given."""
+reports no size, so its st_size is never trusted), a GGUF file's header read before the file is hashed, the GPU
+memory a run is given, and the process group the environment describes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import stat
 import struct
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from gguf import GGUF_MAGIC
@@ -76,7 +77,41 @@ def gpu_memory_gib(text: str) -> float:
     return gib
 
 
+def gpu_only_note(setting: str, device_type: str) -> str:
+    """That the GPU-only `setting` has no effect on a device that is not a GPU (the app and the CLI say it alike)."""
+    return f"{setting} has no effect here: the models run on {device_type}, not a GPU"
+
+
 @functools.cache
 def note_gpu_only(setting: str, device_type: str) -> None:
     """Say on stderr, once per process, that the GPU-only `setting` has no effect on a device that is not a GPU."""
-    print(f"note: {setting} has no effect here: the models run on {device_type}, not a GPU", file=sys.stderr)
+    print(f"note: {gpu_only_note(setting, device_type)}", file=sys.stderr)
+
+
+def _whole(environ: Mapping[str, str], name: str, low: int, high: int, default: str, what: str) -> int:
+    """The whole number an environment variable holds (`default` when unset), refused (TriForceError) outside
+    low..high."""
+    text = environ.get(name, default).strip()
+    value = int(text) if text.isdigit() else -1  # digits only: no sign, no space, no underscore
+    if not low <= value <= high:
+        raise TriForceError(f"{name} must be {what}, got {text[:40]!r}")
+    return value
+
+
+def process_group(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """WORLD_SIZE and RANK of this process's tensor-parallel group as torchrun (or `--tp`'s launch) sets them (1 and
+    0 outside a group), refused (TriForceError) in one line unless whole numbers with RANK below WORLD_SIZE, and,
+    for a group of more than one process, unless the rendezvous its processes meet at is set (MASTER_ADDR and a
+    MASTER_PORT): without it torch.distributed would fail with a traceback."""
+    env = os.environ if environ is None else environ
+    world = _whole(env, "WORLD_SIZE", 1, 1 << 20, "1", "a whole number of processes, 1 or more")
+    rank = _whole(env, "RANK", 0, world - 1, "0", f"a whole number below WORLD_SIZE ({world})")
+    if world > 1:
+        if missing := [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name, "").strip()]:
+            raise TriForceError(f"WORLD_SIZE={world} but no rendezvous: {' and '.join(missing)} "
+                                f"{'is' if len(missing) == 1 else 'are'} unset; start the processes with torchrun, "
+                                "or one process with --tp N")
+        _whole(env, "MASTER_PORT", 1, 65535, "", "a port number from 1 to 65535")
+        if "LOCAL_RANK" in env:
+            _whole(env, "LOCAL_RANK", 0, world - 1, "", f"a whole number below WORLD_SIZE ({world})")
+    return world, rank
