@@ -9,9 +9,8 @@ from pathlib import Path
 from core.config import TriForceError
 from core.io.inputs import read_capped
 from core.io.prompting import MAX_DOCUMENT_CHARS
-from core.io.text import html_to_text
 
-from app.pdf import PdfLimits, PdfRefused, read_pdf
+from app.reader import Limits, Refused, read
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "assets" / "docs"
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
@@ -73,11 +72,12 @@ def decode_text(data: bytes) -> str:
                             "Save it as UTF-8 and upload it again.") from None
 
 
-def pdf_to_text(data: bytes) -> str:
-    """Text of every page of a PDF, pages separated by blank lines, read by a child process within PdfLimits."""
+def parsed_text(data: bytes, kind: str) -> str:
+    """Text of a PDF (pages separated by blank lines) or of an HTML page, read by a child process within the reader's
+    limits (app.reader: parsing either can cost far more than reading the file)."""
     try:
-        return read_pdf(data, PdfLimits(chars=MAX_DOCUMENT_CHARS))
-    except PdfRefused as err:
+        return read(data, kind, Limits(chars=MAX_DOCUMENT_CHARS))
+    except Refused as err:
         raise DocumentError(str(err)) from None
 
 
@@ -93,11 +93,11 @@ def read_document(path: str | Path) -> str:
     except TriForceError as err:
         raise DocumentError(str(err)) from None
     if suffix == ".pdf":
-        text = pdf_to_text(data)
+        text = parsed_text(data, "pdf")
     else:
-        text = decode_text(data)
+        text = decode_text(data)  # refuses binary and non-UTF-8 files in this process: reading is cheap
         if suffix in HTML_SUFFIXES:
-            text = html_to_text(text)
+            text = parsed_text(data, "html")
     if not text.strip():
         raise DocumentError("The file contains no text (a scanned PDF needs OCR first).")
     if len(text) > MAX_DOCUMENT_CHARS:

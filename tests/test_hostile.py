@@ -21,7 +21,7 @@ from core.io.loading import load_tokenizer
 from core.io.prompting import MAX_DOCUMENT_CHARS
 
 from app.documents import DocumentError, read_document
-from app.pdf import PdfLimits, PdfRefused, extract, read_pdf
+from app.reader import Limits, Refused, extract_pdf, read
 from app.presets import CUSTOM, EMBEDDED
 from tests.pdfs import bomb_pdf, pages_pdf, slow_pdf, text_pdf
 
@@ -214,8 +214,8 @@ PDF_REFUSALS = [  # (the PDF, the limits that differ from generous ones, the rea
                                                                     "garbage"])
 def test_a_pdf_past_a_limit_is_refused_at_the_limit(pdf, limits: dict, message: str) -> None:
     started = time.monotonic()
-    with pytest.raises(PdfRefused) as refused:
-        read_pdf(pdf(), PdfLimits(**{"chars": MAX_DOCUMENT_CHARS, "seconds": 30, **limits}))
+    with pytest.raises(Refused) as refused:
+        read(pdf(), "pdf", Limits(**{"chars": MAX_DOCUMENT_CHARS, "seconds": 30, **limits}))
     assert str(refused.value).startswith(message) and len(str(refused.value).splitlines()) == 1
     assert time.monotonic() - started < 10
 
@@ -233,19 +233,44 @@ def test_a_pdf_is_refused_at_its_character_limit_while_its_pages_are_read(monkey
 
     monkeypatch.setattr(PageObject, "extract_text", counted)
     pdf = pages_pdf(WORDS * 5500, 60, compress=True)
-    with pytest.raises(PdfRefused, match="The PDF has more than 30,000 characters of text; the limit is 30,000."):
-        extract(pdf, PdfLimits(chars=30_000, seconds=120))  # in this process (read_pdf's child reads the same way)
+    with pytest.raises(Refused, match="The PDF has more than 30,000 characters of text; the limit is 30,000."):
+        extract_pdf(pdf, Limits(chars=30_000, seconds=120))  # in this process (read's child reads the same way)
     assert len(read) == 2
 
 
 def test_a_pdf_within_its_limits_is_read_page_by_page() -> None:
     three = pages_pdf(b"BT /F1 12 Tf 72 720 Td (Page) Tj ET", 3)
-    assert read_pdf(three, PdfLimits(chars=100)) == "Page\n\nPage\n\nPage"
+    assert read(three, "pdf", Limits(chars=100)) == "Page\n\nPage\n\nPage"
 
 
 def test_a_document_that_is_no_regular_file_is_refused_without_waiting(files: dict[str, Path]) -> None:
     with pytest.raises(DocumentError, match=r"^The file is not a regular file \(a directory, device or pipe\)"):
         read_document(files["fifo"])  # a FIFO no one writes to: opening it to read would wait forever
+
+
+# ---------------------------------------------------------------- HTML, parsed in the child like a PDF
+
+def test_html_is_parsed_outside_the_server_process(tmp_path: Path, monkeypatch) -> None:
+    """This process's HTML parser is made to fail: an HTML upload still reads, so another process parsed it."""
+    import html.parser
+
+    def refuse(self, data: str) -> None:
+        raise AssertionError("HTML parsed in the server process")
+
+    monkeypatch.setattr(html.parser.HTMLParser, "feed", refuse)
+    (tmp_path / "page.html").write_text("<p>Fine &amp; dandy</p><script>x()</script>", encoding="utf-8")
+    assert read_document(tmp_path / "page.html") == "Fine & dandy"
+
+
+def test_an_html_page_past_its_time_limit_is_refused_at_the_limit() -> None:
+    with pytest.raises(Refused) as refused:  # nine megabytes of tags: seconds of parsing on any machine
+        read(b"<p>" * 3_000_000, "html", Limits(chars=MAX_DOCUMENT_CHARS, seconds=1))
+    assert str(refused.value) == "The HTML page took over 1 s to read: split it or paste the part you need."
+
+
+def test_an_html_page_of_too_much_text_is_refused() -> None:
+    with pytest.raises(Refused, match=r"^The HTML page has 101 characters of text; the limit is 100\.$"):
+        read(b"<p>" + b"x" * 101 + b"</p>", "html", Limits(chars=100))
 
 
 # ---------------------------------------------------------------- the served app
