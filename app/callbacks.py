@@ -16,13 +16,17 @@ import gradio as gr
 from core import GenerationConfig, TriForceError
 from core.decode.compare import difference_note, first_difference
 from core.events import Event, Finished, PromptReady, RetrievalSelection
+from core.io.inputs import gpu_only_note
 from core.io.prompting import document_fit
 
 from app.documents import DocumentError, load_samples, read_document
 from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap
 from app.explainer import engine_table
-from app.inference import ModelLoadError, counting_engine, load_engine, loaded_infos, preset_engine, stream_events
+from app.inference import (ModelLoadError, OutOfTime, counting_engine, load_engine, loaded_infos, preset_engine,
+                           stream_events)
 from app.presets import PRESET_SETTINGS, Preset, panel_overrides, preset_by_name
+from app.refusals import quote, quoted_in, refuse
+from app.service import Deadline, keep_upload, out_of_time_line, run_seconds
 from app.settings import build_config, parse, widget_args
 from app.state import RunState, apply_event, budget_share, live_stats, raw_data
 from app.views import (answer_html, document_html, plan_line, stats_for, stats_markdown, status_markdown,
@@ -56,19 +60,22 @@ def choose_sample(title: str | None) -> tuple[str, gr.Dataset, str]:
     """Load a bundled sample: its text, its example instructions, and the first of them."""
     sample = next((s for s in load_samples() if s.title == title), None)
     if sample is None:
-        raise gr.Error(f"Unknown sample {title!r}.")
+        raise refuse(f"Unknown sample {quote(title)}.")
     instructions = list(sample.instructions) or list(GENERIC_INSTRUCTIONS)
     return sample.read(), gr.Dataset(samples=[[i] for i in instructions]), instructions[0]
 
 
-def upload_document(path: str | None) -> str:
-    """Text of an uploaded file; unusable files raise a visible gr.Error."""
+def upload_document(path: str | None, request: gr.Request) -> str:
+    """Text of an uploaded file; unusable files raise a visible gr.Error. The file is kept on disk for its session
+    (app.service.keep_upload), not beyond."""
     if not path:
         return gr.skip()
     try:
         return read_document(path)
     except DocumentError as err:
-        raise gr.Error(str(err), title="Cannot use this file") from None
+        raise refuse(str(err), "Cannot use this file") from None
+    finally:
+        keep_upload(request.session_hash, path)
 
 
 def pick_instruction(sample: list[str] | str) -> str:
@@ -92,7 +99,7 @@ def text_input(label: str, value: Any) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise TriForceError(f"The {label} must be text, got {type(value).__name__} {str(value)[:40]!r}.")
+        raise TriForceError(f"The {label} must be text, got {type(value).__name__} {quote(str(value))}.")
     return value
 
 
@@ -112,7 +119,7 @@ def describe_document(document: Any, preset_name: Any, budget: Any, instruction:
     if not 1 <= answer <= 1 << 20:  # a value typed half-way: count with the default answer length
         answer = GenerationConfig.max_new_tokens
     try:
-        engine, exact = counting_engine(preset_by_name(preset_name))
+        engine, exact = counting_engine(_preset(preset_name))
         budget = parse("budget", budget)
         fit = document_fit(engine.tokenizer, document, instruction, engine.context_length, answer)
     except (ModelLoadError, ValueError) as err:  # TriForceError is a ValueError
@@ -130,12 +137,31 @@ def describe_document(document: Any, preset_name: Any, budget: Any, instruction:
     return line
 
 
+def _preset(name: Any) -> Preset:
+    """The preset of a name a visitor sent; an unknown one raises ValueError naming it quoted."""
+    try:
+        return preset_by_name(name)
+    except ValueError as err:
+        raise ValueError(quoted_in(str(err), name)) from None
+
+
 def _settings(method: str, values: Mapping[str, Any]) -> GenerationConfig:
     """A validated config or a visible gr.Error explaining the bad setting."""
     try:
         return build_config(method, values)
     except TriForceError as err:
-        raise gr.Error(str(err), title="Invalid settings") from None
+        raise refuse(str(err), "Invalid settings") from None
+
+
+def _on_device(preset: Preset, *configs: GenerationConfig) -> list[GenerationConfig]:
+    """The configs as the preset's device runs them. Offload "on" keeps the full KV cache in CPU memory and streams
+    it to a GPU layer by layer: without a GPU every cache is in CPU memory already, so there it runs as "auto" and a
+    warning says so (the status would otherwise describe a cache streamed to a GPU that is not there)."""
+    device = preset_engine(preset).target.device.type
+    if device == "cuda" or all(config.offload != "on" for config in configs):
+        return list(configs)
+    gr.Warning(f"{gpu_only_note('Offload on', device)}: every cache is in CPU memory already.")
+    return [dataclasses.replace(config, offload="auto") for config in configs]
 
 
 def _prepare(values: Mapping[str, Any]) -> tuple[Preset, str, str]:
@@ -145,32 +171,33 @@ def _prepare(values: Mapping[str, Any]) -> tuple[Preset, str, str]:
         document, instruction = text_input("document", values["document"]), \
             text_input("instruction", values["instruction"])
     except TriForceError as err:
-        raise gr.Error(str(err), title="Invalid input") from None
+        raise refuse(str(err), "Invalid input") from None
     if not document.strip():
-        raise gr.Error("The document is empty: pick a sample, upload a file or paste text.", title="No document")
+        raise refuse("The document is empty: pick a sample, upload a file or paste text.", "No document")
     try:
-        preset = preset_by_name(values["preset_name"])
+        preset = _preset(values["preset_name"])
         preset_engine(preset)
     except (ModelLoadError, ValueError) as err:
-        raise gr.Error(str(err), title="Model not available") from None
+        raise refuse(str(err), "Model not available") from None
     return preset, document, instruction
 
 
-def _stream(preset: Preset, document: str, instruction: str, config: GenerationConfig, state: RunState
-            ) -> Iterator[Event]:
-    """Fold the engine's events into `state` and yield each; engine errors become gr.Error. The status line says
-    what the run is doing (Gradio's own progress overlay is left off: one place for it)."""
+def _stream(preset: Preset, document: str, instruction: str, config: GenerationConfig, state: RunState,
+            deadline: Deadline | None = None) -> Iterator[Event]:
+    """Fold the engine's events into `state` and yield each; engine errors become gr.Error; once `deadline` has
+    passed the generation stops, an OutOfTime last (app.inference.stream_events). The status line says what the run
+    is doing (Gradio's own progress overlay is left off: one place for it)."""
     try:
-        for event in stream_events(preset, document, instruction or "", config):
+        for event in stream_events(preset, document, instruction or "", config, deadline and deadline.passed):
             apply_event(state, event)
             if isinstance(event, PromptReady) and event.dropped_tokens:
                 gr.Warning(f"The document is longer than the context ({event.context_length:,} tokens): "
                            f"its middle {event.dropped_tokens:,} tokens were dropped (beginning and end kept).")
             yield event
     except (TriForceError, ModelLoadError) as err:
-        raise gr.Error(str(err), title="Cannot generate") from None
+        raise refuse(str(err), "Cannot generate") from None
     except (RuntimeError, OSError, MemoryError) as err:  # engine failures must not take the app down
-        raise gr.Error(f"Generation failed: {type(err).__name__}: {err}", title="Generation failed") from None
+        raise refuse(f"Generation failed: {type(err).__name__}: {err}", "Generation failed") from None
 
 
 def method_heading(method: str) -> str:
@@ -200,16 +227,20 @@ def run_triforce(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
     config = _settings(_method(values), values)
     mode = values.get("heatmap_mode") or HEATMAP_MODES[0]
     if mode not in HEATMAP_MODES:
-        raise gr.Error(f"heatmap_mode must be one of {', '.join(HEATMAP_MODES)}, got {mode!r:.40}.",
-                       title="Invalid input")
+        raise refuse(f"heatmap_mode must be one of {', '.join(HEATMAP_MODES)}, got {quote(mode)}.", "Invalid input")
     chosen, document, instruction = _prepare(values)
+    config, = _on_device(chosen, config)
+    deadline = Deadline(run_seconds())  # the job's time runs from here: its models are loaded
     state = RunState(method=config.method)
     text_gate, plot_gate = Throttle(TEXT_INTERVAL_S), Throttle(PLOT_INTERVAL_S)
     yield {"status": "⏳ Starting…", "answer": answer_html(None),
            "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": document_html(state),
            "timeline": timeline_html(state), "stats": "", "stats_json": {}, "costs": cost_figure([], None),
            "raw_stats": None, "run_state": state}
-    for event in _stream(chosen, document, instruction, config, state):
+    for event in _stream(chosen, document, instruction, config, state, deadline):
+        if isinstance(event, OutOfTime):
+            yield triforce_frame(state, mode, True) | {"status": out_of_time_line(deadline.seconds, len(state.pieces))}
+            return
         now = time.monotonic()
         force = isinstance(event, (PromptReady, Finished)) or (isinstance(event, RetrievalSelection)
                                                                and len(state.selection_rounds) == 1)
@@ -286,10 +317,12 @@ def run_compare(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
     by side, by output name (COMPARE_OUTPUTS)."""
     method = _method(values)
     if method == "ar":
-        raise gr.Error("Compare runs autoregressive decoding beside method auto or triforce; pick one of those.",
-                       title="Invalid settings")
+        raise refuse("Compare runs autoregressive decoding beside method auto or triforce; pick one of those.",
+                     "Invalid settings")
     configs = {"ar": _settings("ar", values), method: _settings(method, values)}
     chosen, document, instruction = _prepare(values)
+    configs = dict(zip(configs, _on_device(chosen, *configs.values())))
+    deadline = Deadline(run_seconds())  # one bound for the job, from here: its runs hold the one device in turn
     runs = {"ar": RunState(method="ar"), method: RunState(method=method)}
     gate = Throttle(TEXT_INTERVAL_S)
     is_greedy = configs["ar"].is_greedy
@@ -314,7 +347,10 @@ def run_compare(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
     yield frame("⏳ Starting…", with_costs=True)
     plot_gate = Throttle(PLOT_INTERVAL_S)
     for name in runs:
-        for event in _stream(chosen, document, instruction, configs[name], runs[name]):
+        for event in _stream(chosen, document, instruction, configs[name], runs[name], deadline):
+            if isinstance(event, OutOfTime):
+                yield frame(f"{METHOD_NAMES[name]}: {out_of_time_line(deadline.seconds, len(runs[name].pieces))}")
+                return
             now = time.monotonic()
             if gate.due(now, isinstance(event, Finished)):
                 yield frame(f"{METHOD_NAMES[name]}: {status_markdown(runs[name])}",

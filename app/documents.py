@@ -11,6 +11,7 @@ from core.io.inputs import read_capped
 from core.io.prompting import MAX_DOCUMENT_CHARS
 
 from app.reader import Limits, Refused, read
+from app.refusals import quote
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "assets" / "docs"
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024
@@ -86,7 +87,7 @@ def read_document(path: str | Path) -> str:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
-        raise DocumentError(f"Unsupported file type {suffix or '(none)'!r}; "
+        raise DocumentError(f"Unsupported file type {quote(suffix) if suffix else '(none)'}; "
                             f"use one of {', '.join(SUPPORTED_SUFFIXES)}.")
     try:
         data = read_capped(path, MAX_UPLOAD_BYTES, "The file")

@@ -48,6 +48,12 @@ class Waiting(Event):
     """No event came for WAITING_S (a long prefill forward): the consumer yields, so that a Stop lands."""
 
 
+@dataclass
+class OutOfTime(Event):
+    """The job's wall-time bound passed (app.service.Deadline): its generation was stopped there, the events before
+    this one standing."""
+
+
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim, where there is one (Linux with glibc)."""
     try:
@@ -146,12 +152,15 @@ def _event_dicts(target: str | None, draft: str | None, document: str, instructi
         yield data
 
 
-def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig) -> Iterator[Event]:
+def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig,
+                  out_of_time: Callable[[], bool] | None = None) -> Iterator[Event]:
     """The typed events of one generation. The engine runs in a thread of its own and hands events over through a
     queue, so rendering them never holds decoding up (a generator's consumer would otherwise be timed as decoding),
     in batches HANDOVER_S apart; one generation at a time. While no event comes (a long prefill forward), a Waiting
     comes every WAITING_S, so that the consumer yields and a Stop lands; a closed stream (Stop) ends its generation
-    at the next event, or between two layers of a prefill forward."""
+    at the next event, or between two layers of a prefill forward. Once `out_of_time()` says so (asked between
+    two handovers: app.service.Deadline.passed) the generation stops the same way, the events it handed over until
+    then standing, and an OutOfTime comes last unless it had finished."""
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
 
@@ -178,8 +187,12 @@ def stream_events(preset: Preset, document: str, instruction: str, config: Gener
                 events.put(_DONE)
 
     threading.Thread(target=run, name="triforce-generation", daemon=True).start()
+    stopped_in_time = finished = False
     try:
         while True:
+            if not stopped_in_time and out_of_time is not None and out_of_time():
+                stop.set()  # the generation stops at its next event or prefill layer; what it handed over stands
+                stopped_in_time = True
             try:
                 batch = events.get(timeout=WAITING_S)
             except queue.Empty:
@@ -190,6 +203,9 @@ def stream_events(preset: Preset, document: str, instruction: str, config: Gener
             for item in batch:
                 if isinstance(item, Exception):
                     raise item
+                finished = finished or item["kind"] == "Finished"
                 yield typed(item)
+        if stopped_in_time and not finished:
+            yield OutOfTime()
     finally:
         stop.set()

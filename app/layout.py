@@ -9,18 +9,20 @@ from typing import Any
 import gradio as gr
 from gradio.data_classes import FileData
 from pydantic import ValidationError
+from starlette.middleware import Middleware
 
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, SUPPORTED_SUFFIXES, load_samples
 from app.explainer import EXPLANATION
 from app.figures import HEATMAP_MODES, cost_figure, empty_figure
 from app.presets import PRESET_SETTINGS, all_presets, default_preset, panel_overrides
+from app.service import UploadBudget, serve
 from app.settings import build_panel, method_widget, widget_args
 from app.state import RunState
 from app.views import answer_html, document_html, overlay_css
 
 UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
-UPLOAD_READERS = 4  # uploads read at once (a PDF each in a child process, app.pdf's limits on each)
+UPLOAD_READERS = 4  # uploads read at once (a PDF or an HTML page each in a child process within app.reader's limits)
 QUICK_SETTINGS = ("greedy", "max_new_tokens")  # beside the model and the method, above the tabs: what a visitor changes
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
@@ -57,8 +59,10 @@ class UploadPayload(FileData):
 
 
 def launch_options() -> dict:
-    """Keyword arguments for `demo.launch()` (Gradio 6: theme and css belong here, not in Blocks)."""
-    return {"theme": gr.themes.Soft(), "css": CSS, "max_file_size": MAX_UPLOAD_BYTES}
+    """Keyword arguments for `demo.launch()` (Gradio 6: theme and css belong here, not in Blocks); each address's
+    uploads bounded (app.service.UploadBudget) before Gradio reads them."""
+    return {"theme": gr.themes.Soft(), "css": CSS, "max_file_size": MAX_UPLOAD_BYTES,
+            "app_kwargs": {"middleware": [Middleware(UploadBudget)]}}
 
 
 def by_name(fn: Callable[[Mapping[str, Any]], Iterator[dict[str, Any]]],
@@ -215,5 +219,4 @@ def build_demo() -> gr.Blocks:
         method.change(callbacks.method_heading, method, tf_head, api_visibility="private", concurrency_limit=None)
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")
         demo.load(callbacks.describe_engines, None, engines, api_visibility="private")
-    demo.queue(default_concurrency_limit=1)
-    return demo
+    return serve(demo, GPU_QUEUE)  # one run at a time, a bounded number per visitor (app.service)

@@ -15,6 +15,8 @@ import gradio as gr
 from core import GenerationConfig, TriForceError
 from core.config import Setting, settings, type_hints, value_types
 
+from app.refusals import quote, quoted_in
+
 SLIDER_SPAN = 64  # an integer setting whose range is at most this wide gets a slider, a wider one a number box
 RADIO_CHOICES = 4  # named choices up to this many are radio buttons, more a dropdown
 WHOLE_NUMBER_CHOICES = (2, 4, 8, 16)  # offered beside the names of a setting that also takes a whole number
@@ -90,7 +92,7 @@ def method_widget() -> gr.Radio:
 def _number(label: str, raw: Any, whole: bool) -> int | float:
     """A number from a widget or API value (text included), whole numbers kept exact at any size; anything else,
     NaN and infinities included, raises TriForceError."""
-    refusal = TriForceError(f"{label} must be {'a whole number' if whole else 'a number'}, got {raw!r}.")
+    refusal = TriForceError(f"{label} must be {'a whole number' if whole else 'a number'}, got {quote(raw)}.")
     if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
         raise refusal
     if whole and isinstance(raw, (int, str)):
@@ -127,4 +129,7 @@ def build_config(method: str, values: Mapping[str, Any]) -> GenerationConfig:
     """A validated GenerationConfig from widget values by setting name (other keys are ignored, missing settings
     keep their defaults); anything invalid raises TriForceError with the fix."""
     typed = {name: parse(name, values[name]) for name in app_settings() if name in values}
-    return GenerationConfig(method=method, **typed).validate()
+    try:
+        return GenerationConfig(method=method, **typed).validate()
+    except TriForceError as err:  # core's reason names the value as its repr: shown quoted instead, short and inert
+        raise TriForceError(quoted_in(str(err), method, *typed.values())) from None

@@ -1,12 +1,16 @@
-"""Hostile input through the command line (a subprocess) and through the served app (gradio_client): each is refused
-with a one-line reason (exit code 2 / a clear app error, never a traceback or an interactive prompt), and a normal
-run succeeds afterwards."""
+"""Hostile input through the command line (a subprocess), app.py's start-up and the served app (gradio_client): each
+is refused with a one-line reason (exit code 2 / a clear app error, never a traceback or an interactive prompt), and a
+normal run succeeds afterwards. Documents whose parsing costs more than reading them (PDF, HTML) are parsed in a
+bounded child; a value a visitor types is shown short and inert, never as markup, on their page or, through a deep
+link, on another visitor's. (The queue's fairness: test_fair.py.)"""
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,13 +21,17 @@ import pytest
 import torch
 
 from core.cli.main import main
+from core.config import TriForceError
 from core.io.loading import load_tokenizer
 from core.io.prompting import MAX_DOCUMENT_CHARS
 
 from app.documents import DocumentError, read_document
 from app.reader import Limits, Refused, extract_pdf, read
 from app.presets import CUSTOM, EMBEDDED
+from app.refusals import SHOWN_CHARS, quote
+from app.settings import app_settings, build_config
 from tests.pdfs import bomb_pdf, pages_pdf, slow_pdf, text_pdf
+from tests.served import served
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt").read_text(encoding="utf-8")[:600]
@@ -160,40 +168,6 @@ def test_cli_takes_markup_in_user_text_as_text_and_still_runs(files: dict[str, P
     assert r.returncode == 0 and json.loads(r.stdout)["stats"]["stop_reason"], r.stderr
 
 
-GROUP_REFUSALS = [
-    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE must be a whole number of processes, 1 or more, got 'abc'"),
-    ({"RANK": "abc"}, "RANK must be a whole number below WORLD_SIZE (1), got 'abc'"),
-    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but no rendezvous: MASTER_ADDR and MASTER_PORT are unset; start the "
-                          "processes with torchrun"),
-    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "WORLD_SIZE=2 but no rendezvous: MASTER_PORT is unset"),
-    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
-     "RANK must be a whole number below WORLD_SIZE (2), got '2'"),
-    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "port"},
-     "MASTER_PORT must be a port number from 1 to 65535, got 'port'"),
-]
-
-
-@pytest.mark.parametrize("env, message", GROUP_REFUSALS, ids=[" ".join(f"{k}={v}" for k, v in env.items())
-                                                              for env, _ in GROUP_REFUSALS])
-def test_cli_refuses_a_bad_process_group_in_one_line(files: dict[str, Path], capfd, monkeypatch, env: dict,
-                                                     message: str) -> None:
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    code = run_main(["generate", "--doc", str(files["doc"]), "--prompt", QUESTION, *TINY])
-    out, err = capfd.readouterr()
-    assert code == 2 and out == "" and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
-
-
-def test_cli_compare_refuses_method_ar_in_one_line(files: dict[str, Path], capfd) -> None:
-    code = run_main(["compare", "--doc", str(files["doc"]), "--prompt", QUESTION, "--method", "ar", *TINY])
-    out, err = capfd.readouterr()
-    assert code == 2 and out == "" and err == ("error: compare runs autoregressive decoding beside method auto or "
-                                               "triforce: --method ar would compare it with itself; give --method "
-                                               "auto or --method triforce\n")
-
-
 # ---------------------------------------------------------------- PDFs, read in a child process within limits
 
 WORDS = b"BT /F1 12 Tf 72 720 Td (word) Tj ET\n"  # a content stream line that shows a word
@@ -248,31 +222,6 @@ def test_a_document_that_is_no_regular_file_is_refused_without_waiting(files: di
         read_document(files["fifo"])  # a FIFO no one writes to: opening it to read would wait forever
 
 
-# ---------------------------------------------------------------- HTML, parsed in the child like a PDF
-
-def test_html_is_parsed_outside_the_server_process(tmp_path: Path, monkeypatch) -> None:
-    """This process's HTML parser is made to fail: an HTML upload still reads, so another process parsed it."""
-    import html.parser
-
-    def refuse(self, data: str) -> None:
-        raise AssertionError("HTML parsed in the server process")
-
-    monkeypatch.setattr(html.parser.HTMLParser, "feed", refuse)
-    (tmp_path / "page.html").write_text("<p>Fine &amp; dandy</p><script>x()</script>", encoding="utf-8")
-    assert read_document(tmp_path / "page.html") == "Fine & dandy"
-
-
-def test_an_html_page_past_its_time_limit_is_refused_at_the_limit() -> None:
-    with pytest.raises(Refused) as refused:  # nine megabytes of tags: seconds of parsing on any machine
-        read(b"<p>" * 3_000_000, "html", Limits(chars=MAX_DOCUMENT_CHARS, seconds=1))
-    assert str(refused.value) == "The HTML page took over 1 s to read: split it or paste the part you need."
-
-
-def test_an_html_page_of_too_much_text_is_refused() -> None:
-    with pytest.raises(Refused, match=r"^The HTML page has 101 characters of text; the limit is 100\.$"):
-        read(b"<p>" + b"x" * 101 + b"</p>", "html", Limits(chars=100))
-
-
 # ---------------------------------------------------------------- the served app
 
 
@@ -281,17 +230,10 @@ def client(files: dict[str, Path]):
     """The app on a free loopback port; its custom preset (TRIFORCE_TARGET) is the checkpoint needing code."""
     from gradio_client import Client
 
-    from app.layout import build_demo, launch_options
-
     mp = pytest.MonkeyPatch()
     mp.setenv("TRIFORCE_TARGET", str(files["custom"]))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    demo = build_demo()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
-    yield Client(f"http://127.0.0.1:{port}/", verbose=False)
-    demo.close()
+    with served() as url:
+        yield Client(url, verbose=False)
     mp.undo()
 
 
@@ -408,3 +350,190 @@ def test_app_refuses_a_crafted_pdf_in_seconds(client, tmp_path: Path, name: str,
     assert str(refused.value).startswith(message) and time.monotonic() - started < 20
     (tmp_path / "ok.pdf").write_bytes(text_pdf("Fine"))
     assert client.predict(handle_file(str(tmp_path / "ok.pdf")), api_name="/upload_document") == "Fine"
+
+
+# ---------------------------------------------------------------- start-up, the process group, compare
+
+def app_py(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`python app.py` with these arguments and port variables (the others unset)."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("TRIFORCE_PORT", "GRADIO_SERVER_PORT")} | env
+    return subprocess.run([sys.executable, "app.py", *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=environ, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("args, env, message", [
+    ([], {"TRIFORCE_PORT": "abc"}, "error: TRIFORCE_PORT: a port must be a whole number from 1 to 65535, got 'abc'"),
+    ([], {"TRIFORCE_PORT": "99999"}, "error: TRIFORCE_PORT: a port must be a whole number from 1 to 65535, got "
+                                     "'99999'"),
+    ([], {"TRIFORCE_PORT": "-1"}, "error: TRIFORCE_PORT: a port must be a whole number from 1 to 65535, got '-1'"),
+    ([], {"GRADIO_SERVER_PORT": "abc"}, "error: GRADIO_SERVER_PORT: a port must be a whole number from 1 to 65535"),
+    (["--port", "0"], {}, "error: argument --port: a port must be a whole number from 1 to 65535, got '0'"),
+], ids=["TRIFORCE_PORT=abc", "TRIFORCE_PORT=99999", "TRIFORCE_PORT=-1", "GRADIO_SERVER_PORT=abc", "--port 0"])
+def test_app_refuses_a_bad_port_in_one_line(args: list[str], env: dict, message: str) -> None:
+    r = app_py(*args, **env)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(message)
+
+
+def test_app_refuses_a_port_in_use_in_one_line_before_loading_models() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = app_py("--port", str(port))
+    assert r.returncode == 2 and r.stdout == "", r.stdout  # nothing loaded: the loading line is not printed
+    assert r.stderr == f"error: cannot listen on 127.0.0.1:{port} (in use); pick another with --port or TRIFORCE_PORT\n"
+
+
+GROUP_REFUSALS = [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE must be a whole number of processes, 1 or more, got 'abc'"),
+    ({"RANK": "abc"}, "RANK must be a whole number below WORLD_SIZE (1), got 'abc'"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but no rendezvous: MASTER_ADDR and MASTER_PORT are unset; start the "
+                          "processes with torchrun"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "WORLD_SIZE=2 but no rendezvous: MASTER_PORT is unset"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "RANK must be a whole number below WORLD_SIZE (2), got '2'"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "port"},
+     "MASTER_PORT must be a port number from 1 to 65535, got 'port'"),
+]
+
+
+@pytest.mark.parametrize("env, message", GROUP_REFUSALS, ids=[" ".join(f"{k}={v}" for k, v in env.items())
+                                                              for env, _ in GROUP_REFUSALS])
+def test_cli_refuses_a_bad_process_group_in_one_line(files: dict[str, Path], capfd, monkeypatch, env: dict,
+                                                     message: str) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = run_main(["generate", "--doc", str(files["doc"]), "--prompt", QUESTION, *TINY])
+    out, err = capfd.readouterr()
+    assert code == 2 and out == "" and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+
+
+def test_cli_compare_refuses_method_ar_in_one_line(files: dict[str, Path], capfd) -> None:
+    code = run_main(["compare", "--doc", str(files["doc"]), "--prompt", QUESTION, "--method", "ar", *TINY])
+    out, err = capfd.readouterr()
+    assert code == 2 and out == "" and err == ("error: compare runs autoregressive decoding beside method auto or "
+                                               "triforce: --method ar would compare it with itself; give --method "
+                                               "auto or --method triforce\n")
+
+
+# ---------------------------------------------------------------- HTML, parsed in the child like a PDF
+
+def test_html_is_parsed_outside_the_server_process(tmp_path: Path, monkeypatch) -> None:
+    """This process's HTML parser is made to fail: an HTML upload still reads, so another process parsed it."""
+    import html.parser
+
+    def refuse(self, data: str) -> None:
+        raise AssertionError("HTML parsed in the server process")
+
+    monkeypatch.setattr(html.parser.HTMLParser, "feed", refuse)
+    (tmp_path / "page.html").write_text("<p>Fine &amp; dandy</p><script>x()</script>", encoding="utf-8")
+    assert read_document(tmp_path / "page.html") == "Fine & dandy"
+
+
+def test_an_html_page_past_its_time_limit_is_refused_at_the_limit() -> None:
+    with pytest.raises(Refused) as refused:  # nine megabytes of tags: seconds of parsing on any machine
+        read(b"<p>" * 3_000_000, "html", Limits(chars=MAX_DOCUMENT_CHARS, seconds=1))
+    assert str(refused.value) == "The HTML page took over 1 s to read: split it or paste the part you need."
+
+
+def test_an_html_page_of_too_much_text_is_refused() -> None:
+    with pytest.raises(Refused, match=r"^The HTML page has 101 characters of text; the limit is 100\.$"):
+        read(b"<p>" + b"x" * 101 + b"</p>", "html", Limits(chars=100))
+
+
+# ---------------------------------------------------------------- what a visitor types, shown inert and short
+
+HOSTILE = ("**Session expired** [log in](http://evil.example/login) ![](http://evil.example/p.png) "
+           "<img src=http://evil.example/q.png> <a href=http://evil.example/a>a</a> www.evil.example me@evil.example")
+
+
+def rendered(markdown: str) -> str:
+    """HTML of a Markdown line as CommonMark renders it, raw HTML let through (Gradio's Markdown renders it,
+    sanitised: links and images kept)."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark", {"html": True}).render(markdown)
+
+
+def assert_shown_as_text(markup: str, value: str) -> None:
+    """`markup` (HTML) holds no link and no image, and shows the start of `value` as text."""
+    assert not re.search(r"<(a|img)\b", markup, re.I), markup
+    assert repr(value)[:40] in html.unescape(re.sub(r"<[^>]+>", "", markup)), markup
+
+
+def test_a_quoted_value_is_short_and_renders_as_its_text() -> None:
+    long = HOSTILE + "x" * 1_000_000
+    shown = quote(long)
+    assert html.unescape(shown) == repr(long)[:SHOWN_CHARS] + "…"
+    assert not re.search(r"[<>\[\]():@`*_]", shown) and "www." not in shown.lower()  # no markup left to read
+    assert_shown_as_text(rendered(f"⚠️ got {shown}"), long)  # as Markdown
+    assert_shown_as_text(f"<div>got {shown}</div>", long)  # as a toast's HTML
+
+
+@pytest.mark.parametrize("name", list(app_settings()))
+def test_a_settings_refusal_shows_the_value_short_and_inert(name: str) -> None:
+    value = HOSTILE + "x" * 1_000_000
+    with pytest.raises(TriForceError) as refused:
+        build_config("triforce", {name: value})
+    message = str(refused.value)
+    assert len(message) < 300 and len(message.splitlines()) == 1, message
+    assert html.unescape(repr(value)[:SHOWN_CHARS]) in html.unescape(message)
+    assert not re.search(r"[<\[]|http:", message), message
+
+
+@pytest.mark.parametrize("position", [1, 2, 4], ids=["preset_name", "budget", "max_new_tokens"])
+def test_app_document_line_shows_a_bad_value_short_and_inert(client, position: int) -> None:
+    inputs = [DOC, EMBEDDED, 64, QUESTION, 4]
+    inputs[position] = HOSTILE + "x" * 1_000_000
+    line = client.predict(*inputs, api_name="/describe_document")
+    assert line.startswith("⚠️ ") and len(line) < 300, line
+    assert_shown_as_text(rendered(line), inputs[position])
+
+
+def test_app_refusals_log_one_line_each_and_no_traceback(client, capfd, caplog) -> None:
+    from gradio_client.exceptions import AppError
+
+    huge = HOSTILE + "x" * 1_000_000
+    capfd.readouterr()
+    for overrides in ({"budget": huge}, {"temperature": huge}, {"drafter": huge}, {"document": 123}):
+        with pytest.raises(AppError) as refused:
+            client.predict(**run_kwargs(**overrides), api_name="/triforce")
+        assert len(str(refused.value)) < 300 and "<img" not in str(refused.value)
+    logged = [r.getMessage() for r in caplog.records if r.name == "triforce.refusals"]
+    assert len(logged) == 4 and all(len(line) < 600 and "\n" not in line for line in logged), logged
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_deep_link_replays_no_link_or_image_onto_another_visitors_page(client) -> None:
+    """A visitor's session holds a hostile budget and the document line it gave; the deep link to that session,
+    opened by another visitor, carries that line and the budget, and the line the other visitor's page computes
+    from the replayed values: none of them renders a link or an image."""
+    import httpx
+    from gradio_client import Client
+
+    client.predict(DOC, EMBEDDED, HOSTILE, api_name="/describe_document")
+    link = httpx.get(f"{client.src}gradio_api/deep_link", params={"session_hash": client.session_hash}).json()
+    page = httpx.get(client.src, params={"deep_link": link}).text
+    config = json.loads(re.search(r"window\.gradio_config = (\{.*?\});\s*</script>", page, re.S).group(1))
+    values = {c["props"].get("elem_id"): c["props"].get("value") for c in config["components"] if "props" in c}
+    assert values["set-budget"] == HOSTILE  # replayed into the victim's budget box (a text box: no markup)
+    victim = Client(client.src, verbose=False)
+    replayed = victim.predict(values["document"], values["preset"], values["set-budget"], values["instruction"],
+                              values["set-max_new_tokens"], api_name="/describe_document")
+    for line in (values["doc-info"], replayed):
+        assert_shown_as_text(rendered(line), HOSTILE)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_app_offload_on_a_cpu_says_nothing_of_a_gpu_and_why(client) -> None:
+    job = client.submit(**run_kwargs(offload="on"), api_name="/triforce")
+    status, _, _, _, stats_md, stats, *_ = job.result()
+    assert status.startswith("✅ Finished") and not stats["offloaded"]
+    assert "GPU" not in status and "GPU" not in stats_md
+    updates = job.communicator.updates
+    toasts = [u.log[0] for u in [updates.get_nowait() for _ in range(updates.qsize())] if getattr(u, "log", None)]
+    assert "Offload on has no effect here: the models run on cpu, not a GPU: every cache is in CPU memory " \
+           "already." in toasts

@@ -1,0 +1,316 @@
+"""Fair service: one visitor cannot hold the others back.
+
+Generation jobs share one device, one job at a time, first come first served (Gradio's queue, one concurrency group).
+That queue admits at most VISITOR_JOBS jobs per visitor (Gradio's session), running or waiting, and WAITING_JOBS
+waiting in all; a job past either bound is refused at once, in one line that says why and how long the wait is, and
+an admitted job that has to wait is told its place and the wait. A job's generation stops at a wall-time bound
+(run_seconds), its answer so far kept. With one job per visitor and a bounded run, a flood from one session puts at
+most one of its runs ahead of another visitor's, so that visitor waits at most one run's bound. (Batched decoding,
+when it comes, gives its batch slots out under the same per-visitor bound.)
+
+Uploads: the bytes one address may upload in a window are bounded before Gradio reads them (UploadBudget), and the
+files a session used are deleted when it ends (or when it has uploaded UPLOADS_KEPT newer ones)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+from gradio.queueing import Event as QueuedEvent
+from gradio.queueing import Queue
+from gradio.server_messages import LogMessage, ProcessCompletedMessage
+from gradio.utils import get_upload_folder
+
+from app.documents import MAX_UPLOAD_BYTES
+from app.refusals import cut, log
+
+VISITOR_JOBS = 1  # generation jobs one visitor may hold, its running one included
+WAITING_JOBS = 16  # generation jobs waiting in all (the running one aside)
+QUEUE_EVENTS = 64  # every kind of event waiting at once: Gradio's own max_size, a backstop behind the bounds above
+RUN_SECONDS_ENV = "TRIFORCE_RUN_SECONDS"
+RUN_SECONDS = 180.0  # a job's generation time, by default: a few hundred tokens of the embedded model on a CPU
+MAX_RUN_SECONDS = 24 * 3600.0
+UPLOADS_KEPT = 2  # files one session keeps on disk; an older one is deleted when a newer one comes
+UPLOAD_SESSIONS = 10_000  # sessions whose uploads are remembered: past that the oldest one's are deleted
+UPLOAD_WINDOW_S = 600.0
+UPLOAD_BUDGET_BYTES = 4 * MAX_UPLOAD_BYTES  # bytes one address may upload per UPLOAD_WINDOW_S
+UPLOAD_ADDRESSES = 10_000  # addresses whose recent uploads are remembered (the oldest forgotten first)
+
+
+class ServiceError(ValueError):
+    """A bad service setting (TRIFORCE_RUN_SECONDS); the message says what to set."""
+
+
+def run_seconds(environ: dict[str, str] | None = None) -> float:
+    """How long one generation job may run, in seconds: TRIFORCE_RUN_SECONDS, else RUN_SECONDS. A value that is no
+    number of seconds above 0 (and at most a day) raises ServiceError."""
+    text = (os.environ if environ is None else environ).get(RUN_SECONDS_ENV, "").strip()
+    if not text:
+        return RUN_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_RUN_SECONDS:  # NaN fails this too
+        raise ServiceError(f"{RUN_SECONDS_ENV} must be a number of seconds above 0 and at most {MAX_RUN_SECONDS:g}, "
+                           f"got {text[:40]!r}")
+    return seconds
+
+
+def span(seconds: float) -> str:
+    """A duration as people say it: "40 s", "3 min", "1 h 5 min" (rounded up: a wait is not promised short)."""
+    seconds = math.ceil(max(seconds, 0))
+    if seconds < 100:
+        return f"{seconds} s"
+    minutes = math.ceil(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
+@dataclass
+class Deadline:
+    """The end of one job's time: `seconds` (run_seconds) from when it is made."""
+
+    seconds: float
+    end: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.end = time.monotonic() + self.seconds
+
+    def passed(self) -> bool:
+        """Whether the job's time is up."""
+        return time.monotonic() >= self.end
+
+
+def size(n: float) -> str:
+    """A number of bytes as people say it: "512 bytes", "1.5 MiB"."""
+    return plural(int(n), "byte") if n < 1024 else f"{n / 2**10:.3g} KiB" if n < 2**20 else f"{n / 2**20:.3g} MiB"
+
+
+def plural(n: int, noun: str) -> str:
+    """"1 run", "2 runs"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def out_of_time_line(seconds: float, tokens: int) -> str:
+    """The status of a job stopped at its wall-time bound."""
+    return (f"⏱️ Stopped at the time bound of a run ({span(seconds)}, so that every visitor gets a turn): the "
+            f"answer so far is kept ({tokens} tokens). Ask for fewer new tokens to finish within it.")
+
+
+@dataclass
+class Line:
+    """The generation queue at one moment: who runs, who waits (first in line first), for how long the running job
+    has run, how long a job has taken on average (None before one finished), and the bound on a job's run."""
+
+    running: list[str]
+    waiting: list[str]
+    elapsed: float
+    typical: float | None
+    bound: float
+
+    def held_by(self, visitor: str) -> int:
+        """Jobs of `visitor` running or waiting."""
+        return self.running.count(visitor) + self.waiting.count(visitor)
+
+    def wait(self, waiting: int) -> str:
+        """How long a job behind the running one and `waiting` waiting ones waits: "about X, at most Y" (only the
+        most before a job has finished; runs are cut at the bound, loading a model aside)."""
+        if not self.running and not waiting:
+            return "no time"
+        left = max(self.bound - self.elapsed, 0.0) if self.running else 0.0
+        most = left + waiting * self.bound
+        if self.typical is None:
+            return f"at most {span(most)}"
+        typical = min(self.typical, self.bound)
+        about = (min(max(typical - self.elapsed, 0.0), left) if self.running else 0.0) + waiting * typical
+        return f"about {span(about)}, at most {span(most)}"
+
+
+def visitor(session_hash: str | None, request: Any) -> str:
+    """Whom a job is counted against: its session, or its client's address where it came without one (Gradio's REST
+    route lets a caller leave the session out)."""
+    if session_hash:
+        return session_hash
+    client = getattr(request, "client", None)
+    return f"address {getattr(client, 'host', None) or 'unknown'}"
+
+
+def _visitor_of(event: QueuedEvent) -> str:
+    """The visitor of a queued event (Gradio names an event without a session after the event itself)."""
+    return visitor(None if event.session_hash == event._id else event.session_hash, event.request)
+
+
+def line(queue: Queue, concurrency_id: str, bound: float) -> Line:
+    """The generation queue (the events of `concurrency_id`) as Gradio's queue holds it now."""
+    events = queue.event_queue_per_concurrency_id.get(concurrency_id)
+    running = [_visitor_of(event) for job in queue.active_jobs if job for event in job
+               if event.concurrency_id == concurrency_id]
+    starts = [t for times in (events.start_times_per_fn.values() if events else ()) for t in times]
+    done = [times for fn, times in queue.process_time_per_fn.items() if fn.concurrency_id == concurrency_id
+            and times.count]
+    typical = sum(t.process_time for t in done) / sum(t.count for t in done) if done else None
+    return Line(running, [_visitor_of(event) for event in (events.queue if events else [])],
+                time.time() - min(starts) if starts and running else 0.0, typical, bound)
+
+
+def admission(now: Line, who: str) -> str | None:
+    """Why a new job of `who` is refused (one line, with the wait), or None when it is admitted."""
+    if now.held_by(who) >= VISITOR_JOBS:
+        if who in now.running:
+            return (f"Your earlier run is still going (one run at a time per visitor); it ends within "
+                    f"{span(max(now.bound - now.elapsed, 0))}. Wait for it, or press Stop and run again.")
+        place = now.waiting.index(who)
+        return (f"Your earlier run is still waiting (one run at a time per visitor): it starts in "
+                f"{now.wait(place)}. Wait for it, or press Stop and run again.")
+    if len(now.waiting) >= WAITING_JOBS:
+        return (f"The queue is full ({plural(len(now.waiting), 'run')} waiting for the one device): a place frees in "
+                f"{now.wait(0)}. Try again then.")
+    return None
+
+
+def _refused(queue: Queue, fn: Any, body: Any, request: Any, username: str | None, message: str
+             ) -> tuple[bool, str, str]:
+    """Answer a job that is not queued with its refusal, as Gradio answers a finished job: the client sees the same
+    error as any other refusal (a toast in the page, an AppError through gradio_client)."""
+    event = QueuedEvent(body.session_hash, fn, request, username)
+    if body.session_hash is None:
+        body.session_hash = event.session_hash
+    if body.session_hash not in queue.pending_messages_per_session:
+        queue.pending_messages_per_session[body.session_hash] = asyncio.Queue()
+    queue.pending_event_ids_session.setdefault(body.session_hash, set()).add(event._id)
+    title = "Please wait your turn"
+    queue.send_message(event, ProcessCompletedMessage(output={"error": message, "title": title, "visible": True,
+                                                              "duration": None}, success=False, title=title))
+    return True, event._id, "success"
+
+
+def serve(demo: gr.Blocks, concurrency_id: str) -> gr.Blocks:
+    """Queue `demo` fairly: Gradio's queue with QUEUE_EVENTS at most and one job at a time by default, and every job
+    of `concurrency_id` admitted as `admission` says (Gradio has no per-session bound of its own, so its queue's push
+    is wrapped); each session's uploads are deleted when it ends."""
+    demo.queue(default_concurrency_limit=1, max_size=QUEUE_EVENTS)
+    queue = demo._queue
+    push = queue.push
+    admitting = asyncio.Lock()  # a check and its push as one step: two clicks at once cannot both pass the check
+
+    async def admit(body: Any, request: Any, username: str | None) -> tuple[bool, Any, str]:
+        fn = demo.fns.get(body.fn_index) if body.fn_index is not None else None
+        if fn is None or fn.concurrency_id != concurrency_id:
+            return await push(body, request, username)
+        async with admitting:
+            now = line(queue, concurrency_id, run_seconds())
+            who = visitor(body.session_hash, request)
+            if refusal := admission(now, who):
+                log.warning("refused (queue): %s: %s", cut(repr(who), 40), refusal)
+                return _refused(queue, fn, body, request, username, refusal)
+            admitted = await push(body, request, username)
+        event = queue.event_ids_to_events.get(admitted[1]) if admitted[0] else None
+        if event is not None and (now.running or now.waiting):
+            ahead = len(now.running) + len(now.waiting)
+            queue.send_message(event, LogMessage(
+                log=f"{plural(ahead, 'run')} ahead of yours: it starts in "
+                    f"{now.wait(len(now.waiting))} (every run stops at {span(now.bound)}).",
+                level="info", title="Queued", duration=10))
+        return admitted
+
+    queue.push = admit
+    demo.unload(forget_session)
+    return demo
+
+
+_uploads: collections.OrderedDict[str, collections.deque[Path]] = collections.OrderedDict()  # newest session last
+_uploads_lock = threading.Lock()
+
+
+def _delete_upload(path: Path) -> None:
+    """Delete an upload, and its folder once empty (Gradio keeps each upload in a folder named by its content's
+    hash); nothing outside Gradio's upload folder."""
+    root, path = Path(get_upload_folder()).resolve(), path.resolve()
+    if root not in path.parents:
+        return
+    path.unlink(missing_ok=True)
+    if path.parent != root:
+        with contextlib.suppress(OSError):  # another file is still in it
+            path.parent.rmdir()
+
+
+def keep_upload(session_hash: str | None, path: str | Path) -> None:
+    """Record an upload a session read; its uploads beyond the newest UPLOADS_KEPT are deleted, and so are those of
+    the sessions beyond the newest UPLOAD_SESSIONS (a client that never opens the page never ends its session)."""
+    if not session_hash:
+        _delete_upload(Path(path))  # no session to end: nothing would delete it later
+        return
+    with _uploads_lock:
+        kept = _uploads.pop(session_hash, collections.deque())
+        _uploads[session_hash] = kept
+        kept.append(Path(path))
+        old = [kept.popleft() for _ in range(len(kept) - UPLOADS_KEPT)]
+        while len(_uploads) > UPLOAD_SESSIONS:
+            old.extend(_uploads.popitem(last=False)[1])
+    for path in old:
+        _delete_upload(path)
+
+
+def forget_session(request: gr.Request) -> None:
+    """A session ended (its tab closed): delete the uploads it read."""
+    with _uploads_lock:
+        kept = _uploads.pop(request.session_hash or "", ())
+    for path in kept:
+        _delete_upload(path)
+
+
+class UploadBudget:
+    """ASGI middleware before Gradio's upload route: an address may upload UPLOAD_BUDGET_BYTES per UPLOAD_WINDOW_S,
+    counted from each request's declared length before its body is read; past that the request is refused (HTTP
+    429, one line saying when uploads are taken again), as is a request that does not declare its length (411).
+    Behind a proxy, the address is the one uvicorn takes from the proxy's headers (FORWARDED_ALLOW_IPS)."""
+
+    def __init__(self, app: Any, budget: int = UPLOAD_BUDGET_BYTES, window: float = UPLOAD_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.app, self.budget, self.window, self.clock = app, budget, window, clock
+        self.spent: collections.OrderedDict[str, collections.deque[tuple[float, int]]] = collections.OrderedDict()
+
+    def refusal(self, address: str, length: int) -> str | None:
+        """Why an upload of `length` bytes from `address` is refused now, or None (and then it is counted)."""
+        now = self.clock()
+        spent = self.spent.pop(address, collections.deque())
+        while spent and spent[0][0] <= now - self.window:
+            spent.popleft()
+        used = sum(n for _, n in spent)
+        self.spent[address] = spent  # most recent last: the least recent address is forgotten first
+        while len(self.spent) > UPLOAD_ADDRESSES:
+            self.spent.popitem(last=False)
+        if used + length > self.budget:
+            again = spent[0][0] + self.window - now if spent else self.window
+            return (f"Upload refused: at most {size(self.budget)} per {span(self.window)} from one address "
+                    f"({size(used)} uploaded, {size(length)} more asked); try again in {span(again)}.")
+        spent.append((now, length))
+        return None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith("/gradio_api/upload"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        address = (scope.get("client") or ("unknown",))[0]
+        if not length.isdigit():
+            status, message = 411, "Upload refused: the request must say its length (Content-Length)."
+        else:
+            status, message = 429, self.refusal(address, int(length))
+        if message is None:
+            return await self.app(scope, receive, send)
+        log.warning("refused (upload): %s: %s", address, message)
+        body = message.encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,26 @@
+"""The app served on a free loopback port, for tests that talk to it as its visitors do (gradio_client, HTTP, a
+browser)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def served(**launch: Any) -> Iterator[str]:
+    """The app built and launched with launch_options() (`launch` overriding them) until the block ends; its URL."""
+    from app.layout import build_demo, launch_options
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    demo = build_demo()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                **(launch_options() | launch))
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()

@@ -1,0 +1,215 @@
+"""Fair service (app.service): one visitor cannot hold the others back. Through the served app, with a client per
+session: a flood from one session is refused job by job while its one run is cut at its time bound, and another
+visitor is served right after that run; a full queue refuses in one line with the wait; an admitted job that waits
+is told its place. Alone: the queue's arithmetic, a generation stopped at its bound with its answer kept, and the
+upload bounds. Order is asserted (who is served when, who is refused), never how many seconds something took."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from core.events import Tokens
+
+from app import inference, service
+from app.presets import EMBEDDED
+from app.service import Line, ServiceError, UploadBudget, admission, forget_session, keep_upload, run_seconds
+from tests.served import served
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt").read_text(encoding="utf-8")[:600]
+HANG_S = 600  # only against a hang: a job that never reaches the state waited for fails the test instead
+
+
+# ---------------------------------------------------------------- the queue's arithmetic
+
+
+def test_a_visitor_holding_a_job_is_refused_another_with_the_wait() -> None:
+    running = Line(running=["a"], waiting=["b", "c"], elapsed=30.0, typical=40.0, bound=180.0)
+    assert admission(running, "a").startswith("Your earlier run is still going (one run at a time per visitor); "
+                                              "it ends within 3 min.")
+    assert admission(running, "c") == ("Your earlier run is still waiting (one run at a time per visitor): it starts "
+                                       "in about 50 s, at most 6 min. Wait for it, or press Stop and run again.")
+    assert admission(running, "d") is None
+
+
+def test_a_full_queue_refuses_everyone_with_when_a_place_frees(monkeypatch) -> None:
+    monkeypatch.setattr(service, "WAITING_JOBS", 2)
+    full = Line(running=["a"], waiting=["b", "c"], elapsed=100.0, typical=None, bound=180.0)
+    assert admission(full, "d") == ("The queue is full (2 runs waiting for the one device): a place frees in at "
+                                    "most 80 s. Try again then.")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "1e9"])
+def test_a_bad_run_bound_setting_is_refused_in_one_line(value: str) -> None:
+    with pytest.raises(ServiceError, match=r"^TRIFORCE_RUN_SECONDS must be a number of seconds above 0 and at "
+                                           r"most 86400, got '"):
+        run_seconds({"TRIFORCE_RUN_SECONDS": value})
+    assert run_seconds({}) == service.RUN_SECONDS and run_seconds({"TRIFORCE_RUN_SECONDS": " 2.5 "}) == 2.5
+
+
+# ---------------------------------------------------------------- a generation stopped at its bound
+
+
+def test_a_generation_stops_at_its_bound_and_keeps_what_it_made(monkeypatch) -> None:
+    """A stand-in engine makes a token per event for as long as it is let run; the bound passes once the consumer
+    has read three tokens: the stream ends with an OutOfTime after those tokens (and any the engine had already
+    handed over), and the engine was stopped, not left running."""
+    closed = threading.Event()
+
+    def engine(*args, **kwargs):
+        try:
+            for i in itertools.count():
+                yield Tokens([i], [f"t{i}"], ["target"], i).to_dict()
+                time.sleep(0.001)
+        finally:
+            closed.set()
+
+    monkeypatch.setattr(inference, "_event_dicts", engine)
+    seen: list = []
+    for event in inference.stream_events(type("P", (), {"sources": lambda self: (None, None)})(), "doc", "q",
+                                         inference.GenerationConfig(), lambda: len(seen) >= 3):
+        seen.append(event)
+    tokens = [e for e in seen if isinstance(e, Tokens)]
+    assert isinstance(seen[-1], inference.OutOfTime) and len(tokens) >= 3
+    assert [t.ids[0] for t in tokens] == list(range(len(tokens)))  # every token made kept, in order
+    assert closed.wait(HANG_S)
+
+
+# ---------------------------------------------------------------- uploads
+
+
+def test_uploads_are_bounded_per_address_before_they_are_read() -> None:
+    """An address may upload its budget per window; the next upload is refused (429, one line saying when it may
+    upload again) without the app behind reading a byte, and another address is not affected."""
+    served: list[str] = []
+    now = [0.0]
+
+    async def app(scope, receive, send) -> None:
+        served.append(scope["client"][0])
+
+    budget = UploadBudget(app, budget=100, window=60.0, clock=lambda: now[0])
+
+    def upload(address: str, length: int | None, at: float) -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        now[0] = at
+        headers = [] if length is None else [(b"content-length", str(length).encode())]
+        asyncio.run(budget({"type": "http", "method": "POST", "path": "/gradio_api/upload", "headers": headers,
+                            "client": (address, 1)}, None, send))
+        return sent
+
+    assert upload("1.1.1.1", 60, 0.0) == [] and upload("1.1.1.1", 40, 1.0) == []
+    refused = upload("1.1.1.1", 1, 2.0)
+    assert refused[0]["status"] == 429 and refused[1]["body"].decode() == (
+        "Upload refused: at most 100 bytes per 60 s from one address (100 bytes uploaded, 1 byte more asked); try "
+        "again in 58 s.")
+    assert upload("2.2.2.2", 100, 2.0) == []
+    assert upload("1.1.1.1", 50, 60.5) == []  # the first upload has left the window
+    assert upload("1.1.1.1", None, 62.0)[0]["status"] == 411
+    assert served == ["1.1.1.1", "1.1.1.1", "2.2.2.2", "1.1.1.1"]
+
+
+def test_a_sessions_uploads_are_deleted_past_the_newest_and_when_it_ends(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path))
+    files = []
+    for i in range(service.UPLOADS_KEPT + 2):
+        (tmp_path / f"h{i}").mkdir()
+        files.append(tmp_path / f"h{i}" / "doc.txt")
+        files[-1].write_text("x")
+        keep_upload("s", files[-1])
+    kept = files[-service.UPLOADS_KEPT:]
+    assert [f.exists() for f in files] == [f in kept for f in files] and not (tmp_path / "h0").exists()
+    outside = tmp_path.parent / "not-an-upload.txt"
+    outside.write_text("x")
+    keep_upload("s", outside)  # a path outside Gradio's upload folder is never deleted
+    forget_session(type("Request", (), {"session_hash": "s"})())
+    assert not any(f.exists() for f in files) and outside.exists()
+
+
+# ---------------------------------------------------------------- the served app, a client per session
+
+
+@pytest.fixture(scope="module")
+def url():
+    """The app on a free loopback port, its embedded model loaded by one run."""
+    with served() as address:
+        client(address).predict(**run_kwargs(), api_name="/triforce")
+        yield address
+
+
+def run_kwargs(**overrides) -> dict:
+    """/triforce arguments: the embedded model, 4 greedy tokens."""
+    return {"document": DOC, "instruction": "Who wrote this?", "preset_name": EMBEDDED, "max_new_tokens": 4,
+            "budget": 64, "chunk_size": 8, "greedy": True, **overrides}
+
+
+LONG = {"max_new_tokens": 4000, "greedy": False, "temperature": 2.0}  # ends at the bound, not at EOS
+
+
+def client(url: str):
+    """A new visitor: gradio_client's Client is one session."""
+    from gradio_client import Client
+
+    return Client(url, verbose=False)
+
+
+def running(job) -> None:
+    """Wait until `job` is being served: its first frame has come (its time bound is set by then)."""
+    started = time.monotonic()
+    while not job.outputs():
+        assert not job.done() and time.monotonic() - started < HANG_S, job.status()
+        time.sleep(0.02)
+
+
+def logs(job) -> list[str]:
+    """The toasts (gr.Info and the like) a job's client received."""
+    updates = job.communicator.updates
+    return [u.log[0] for u in [updates.get_nowait() for _ in range(updates.qsize())] if getattr(u, "log", None)]
+
+
+def test_a_flood_from_one_session_puts_one_bounded_run_ahead_of_another_visitor(url: str, monkeypatch) -> None:
+    """One session starts a run that would last minutes, then sends ten more; each of the ten is refused at once
+    in one line. Another visitor's 4-token run, sent after them, is served right after the first run, which
+    stopped at its bound."""
+    from gradio_client.exceptions import AppError
+
+    flooder, visitor = client(url), client(url)
+    monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "3")
+    long = flooder.submit(**run_kwargs(**LONG), api_name="/triforce")
+    running(long)
+    monkeypatch.setenv("TRIFORCE_RUN_SECONDS", str(service.RUN_SECONDS))  # the bound of the jobs that start later
+    for job in [flooder.submit(**run_kwargs(), api_name="/triforce") for _ in range(10)]:
+        with pytest.raises(AppError) as refused:
+            job.result(timeout=HANG_S)
+        assert str(refused.value).startswith("Your earlier run is still going (one run at a time per visitor)")
+    mine = visitor.submit(**run_kwargs(), api_name="/triforce")
+    assert mine.result(timeout=HANG_S)[0].startswith("✅ Finished")
+    assert long.result(timeout=HANG_S)[0].startswith("⏱️ Stopped at the time bound of a run (3 s")
+    assert any(line.startswith("1 run ahead of yours: it starts in ") for line in logs(mine))
+
+
+def test_a_full_queue_refuses_in_one_line_with_the_wait(url: str, monkeypatch) -> None:
+    from gradio_client.exceptions import AppError
+
+    monkeypatch.setattr(service, "WAITING_JOBS", 1)
+    monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "3")
+    first, second, third = client(url), client(url), client(url)
+    long = first.submit(**run_kwargs(**LONG), api_name="/triforce")
+    running(long)
+    waiting = second.submit(**run_kwargs(), api_name="/triforce")
+    with pytest.raises(AppError) as refused:
+        third.predict(**run_kwargs(), api_name="/triforce")
+    assert str(refused.value).startswith("The queue is full (1 run waiting for the one device): a place frees in ")
+    assert len(str(refused.value).splitlines()) == 1
+    assert waiting.result(timeout=HANG_S)[0].startswith(("✅ Finished", "⏱️ Stopped at the time bound"))
+    assert long.result(timeout=HANG_S)[0].startswith("⏱️ Stopped at the time bound")
+    assert third.predict(**run_kwargs(), api_name="/triforce")[0]  # served once there is room
