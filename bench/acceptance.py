@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.common import DOCS, drafter_settings, environment, finish, save
 from core import Engine, GenerationConfig
-from core.io.samples import held_out_documents, sample_instructions
+from core.io import held_out_documents, sample_instructions
 
 SETTINGS = {"greedy": {"greedy": True}, "T0.6/top-p0.9": {"temperature": 0.6, "top_p": 0.9}}
 

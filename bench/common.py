@@ -21,14 +21,11 @@ import torch
 import transformers
 
 from core import Engine, GenerationConfig
+from core.cache import (ChunkIndex, KVCache, StreamingCache, chunks_to_keep, gather_selection, retrieval_cache,
+                        select_chunks)
+from core.decode import Graphs, Level, distributions
 from core.events import Finished, PlanChosen, StepTiming, Verdict
-from core.cache.kvcache import KVCache, StreamingCache
-from core.decode.graphs import Graphs
-from core.decode.levels import Level
-from core.model.transformer import ModelArgs, Transformer
-from core.model.ops import TorchOps
-from core.cache.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
-from core.decode.sampling import distributions
+from core.model import ModelArgs, TorchOps, Transformer
 
 DOCS = Path(__file__).parent.parent / "assets" / "docs"
 RESULTS = Path(__file__).parent / "results"
@@ -124,7 +121,7 @@ def model_source(spec: str | None) -> str | None:
     """A benchmark's model argument: a preset id (`python -m core generate --help` lists them; smollm2-135m is the
     embedded model) stands for its target model's file or hub id, refused in one line where its file is not
     installed; anything else (a .gguf, a directory, a hub id) is itself."""
-    from core.io.presets import PRESETS
+    from core.io import PRESETS
 
     preset = next((p for p in PRESETS if p.id == spec), None)
     if preset is None:
@@ -136,7 +133,7 @@ def model_source(spec: str | None) -> str | None:
 
 def tokenizer_of(spec: str | None):
     """The tokenizer of a model argument (a preset id, .gguf, directory or hub id; see model_source)."""
-    from core.io.loading import load_tokenizer
+    from core.io import load_tokenizer
 
     return load_tokenizer(model_source(spec))
 

@@ -20,9 +20,8 @@ import torch
 
 from bench.common import (BF16, DEV, SHAPES, SMOLLM2_135M, GpuResults, ar_step_ms, fill_random, free, full_cache,
                           gpu_main, random_model, random_retrieval, shape_key, sync_ms)
-from core.decode.graphs import Graphs
-from core.decode.levels import Level
-from core.cache.offload import OffloadedKVCache
+from core.cache import OffloadedKVCache
+from core.decode import Graphs, Level
 
 
 def profile(ctx: int, shape: dict) -> dict:
@@ -135,8 +134,9 @@ def profile_draft(ctx: int, shape: dict, budget: int = 8192, steps: int = 8) -> 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     from triton.testing import do_bench_cudagraph
+
     from core.config import GenerationConfig
-    from core.decode.sampling import distributions, draw, speculative_verify
+    from core.decode import distributions, draw, speculative_verify
     model = random_model(shape)
     full = full_cache(model, ctx + 2048)
     fill_random(full, ctx)

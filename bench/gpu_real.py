@@ -18,15 +18,13 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.common import (BF16, DEV, INSTRUCTION, LLAMA_68M, SHAPES, GpuResults, ar_step_ms, document_of,
-                          draft_level, fill_random, finish, free, full_cache, gpu_main, hf_ar_ms,
-                          random_dynamic_cache, random_model, random_retrieval, shape_key)
+from bench.common import (BF16, DEV, INSTRUCTION, LLAMA_68M, SHAPES, GpuResults, ar_step_ms, document_of, draft_level,
+                          fill_random, finish, free, full_cache, gpu_main, hf_ar_ms, random_dynamic_cache, random_model,
+                          random_retrieval, shape_key)
 from core import Engine, GenerationConfig
-from core.decode.graphs import Graphs
+from core.decode import Graphs, Level, distributions
 from core.events import Verdict
-from core.decode.levels import Level
-from core.model.transformer import Transformer
-from core.decode.sampling import distributions
+from core.model import Transformer
 
 DOCUMENT = "pride_and_prejudice.txt"
 SAMPLINGS = {"greedy": {"greedy": True}, "t0.6_p0.9": {"temperature": 0.6, "top_p": 0.9}}

@@ -18,14 +18,12 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.common import (LLAMA_68M, SHAPES, GpuResults, ar_step_ms, draft_level, free, full_cache, gpu_main,
-                          hf_ar_ms, random_dynamic_cache, random_hf_pair, random_model, shape_key, sync_ms,
-                          verify_step_ms)
-from core.decode.graphs import Graphs
+from bench.common import (LLAMA_68M, SHAPES, GpuResults, ar_step_ms, draft_level, free, full_cache, gpu_main, hf_ar_ms,
+                          random_dynamic_cache, random_hf_pair, random_model, shape_key, sync_ms, verify_step_ms)
+from core.cache import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.decode import Graphs, Level
 from core.engine import default_prefill_chunk
-from core.decode.levels import Level
-from core.model.ops import TritonOps
-from core.cache.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.model import TritonOps
 
 
 def nbytes(model: torch.nn.Module) -> int:

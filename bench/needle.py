@@ -12,7 +12,7 @@ import argparse
 from bench.acceptance import SETTINGS
 from bench.common import DOCS, environment, finish, save
 from core import Engine, GenerationConfig
-from core.cache.retrieval import LEVEL2_CACHES
+from core.cache import LEVEL2_CACHES
 
 PASSKEY = "68203"
 QUESTION = "What is the pass key?"

@@ -15,18 +15,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 
 import torch
 
-from bench.common import (DOCS, LLAMA2_7B, LLAMA31_8B, LLAMA32_1B, LLAMA_68M, earlier_today, environment,
-                          merge_summary, random_model, result_path, save, tokenizer_of)
+from bench.common import (DOCS, LLAMA2_7B, LLAMA31_8B, LLAMA32_1B, LLAMA_68M, earlier_today, environment, merge_summary,
+                          random_model, result_path, save, tokenizer_of)
 from core import Engine, GenerationConfig
+from core.cache import (ChunkIndex, OffloadedKVCache, chunks_to_keep, gather_selection, pinned_empty, retrieval_cache,
+                        select_chunks)
 from core.events import Finished, PlanChosen, StepTiming
-from core.cache.kvcache import pinned_empty
-from core.cache.offload import OffloadedKVCache
-from core.model.ops import TORCH
-from core.cache.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.model import TORCH
 
 INSTRUCTION = "Summarise what has happened so far, naming the main characters."
 PCIE4_GB_S = 25.0
@@ -166,7 +166,8 @@ def shape_run(name: str, tok, args, bw: float) -> dict:
     greedy = run(engine, doc, GenerationConfig(method="triforce", greedy=True, max_new_tokens=args.new_tokens))
     # what method auto will start from: the level-3 costs the engine's book holds by regime (offloaded, the prompt
     # length's bits, greedy) and rows, the warm-up's short document's among them
-    book = {str(regime): costs.level3 for regime, costs in engine.costs.level3.items()}
+    book = {str(key[1]): {rows: statistics.median_low(w) for rows, w in samples.items()}
+            for key, samples in engine.costs.steps.items() if key[0] == "level3"}
     auto = run(engine, doc, GenerationConfig(method="auto", temperature=0.6, top_p=0.9,
                                              max_new_tokens=args.new_tokens))
     ar = run(engine, doc, GenerationConfig(method="ar", greedy=True, max_new_tokens=args.ar_tokens))

@@ -29,9 +29,9 @@ from bench.needle import FILLER, NEEDLE
 from bench.offload import h2d_gb_s
 from core import Engine, GenerationConfig
 from core.config import AUTO_GAMMA2
+from core.decode import AUTOREGRESSIVE, Hierarchy, drafts_ahead
 from core.events import Finished, PlanChosen, StepTiming
-from core.plan.planner import AUTOREGRESSIVE, Hierarchy, best, candidates, prior, rate
-from core.decode.triforce import drafts_ahead
+from core.plan import Regime, best, candidates, prior, rate
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTRUCTIONS = {"code": "Explain what this code does, module by module.",
@@ -135,7 +135,7 @@ def prompt_runs(engine: Engine, doc: str, instruction: str, base: dict, repeats:
         out["greedy"][name] = row(fin, chosen)
         identical[name] = fin.token_ids == ar_greedy.token_ids
         if not identical[name]:
-            from core.decode.compare import difference_note
+            from core.decode import difference_note
             out["greedy"][name]["difference"] = difference_note(ar_greedy.token_ids, fin.token_ids,
                                                                 ar_greedy.stats.near_ties)
     for name, settings in usable(SAMPLED_RUNS + list(extra), engine, base):
@@ -156,24 +156,30 @@ def bound(engine: Engine, prompt_tokens: int, offloaded: bool, sampled: dict, ga
     of each run of level 2 drafting alone at a fixed γ2 (`gamma_runs`) given that run's acceptance, beside what the
     run measured."""
     runs = {name: sampled[f"triforce-{name}"] for name in ("model", "ngram") if f"triforce-{name}" in sampled}
-    e = engine.costs.estimates(offloaded, prompt_tokens, False, runs["model"]["budget"], list(runs))
+    e = engine.costs.estimates(Regime.of(offloaded, prompt_tokens, False), runs["model"]["budget"], list(runs))
     e.a2 = prior(runs["model"]["level2_acceptance"])
     for name, run in runs.items():  # the fixed runs' acceptance at level 2 stands for a1 and a13 alike
         e.level1[name].a1, e.level1[name].a13 = prior(run["level1_acceptance"]), None
-    ar = rate(AUTOREGRESSIVE, e)
+    f = e.figures()
+    ar = rate(AUTOREGRESSIVE, f)
     ahead = drafts_ahead(GenerationConfig().draft_ahead, offloaded, engine.target.device)
-    top = best(candidates(list(runs), GenerationConfig().gamma1, AUTO_GAMMA2, ahead=ahead), e)
+    gamma1 = GenerationConfig().gamma1
+    top = best(candidates(list(runs), gamma1, AUTO_GAMMA2, ahead=ahead), f)
     expected = {}
     for name, settings in gamma_runs(gammas):
         if name in sampled:  # the planner's figures with this run's own level-2 acceptance
             h = Hierarchy("", True, 0, settings["gamma2"], ahead and "draft_ahead" not in settings)
-            own = replace(e, a2=prior(sampled[name]["level2_acceptance"]))
+            own = replace(f, a2=sampled[name]["level2_acceptance"])
             expected[name] = {"expected": rate(h, own) / ar if ar else None, "measured": sampled[name]["speedup"]}
-    c = e.costs
+    checking, alone = f.level2_step(gamma1 + 1, alone=False), f.level2_step(1, alone=True)
+    level3 = e.curves["level3"].samples
     return {"level1_ms": {name: d.ms for name, d in e.level1.items()},
-            "offered": {name: d.offered.rate for name, d in e.level1.items()}, "level2_ms": c.level2,
-            "level2_ahead_ms": c.level2_ahead, "level2_alone_ms": c.alone, "level2_alone_ahead_ms": c.alone_ahead,
-            "overhead_ms": c.overhead, "level3_ms": {str(k): v for k, v in sorted(c.level3.items())},
+            "offered": {name: d.offered.rate for name, d in e.level1.items()},
+            "level2_ms": checking[0] and checking[0](gamma1 + 1),
+            "level2_ahead_ms": checking[1] and checking[1](gamma1 + 1),
+            "level2_alone_ms": alone[0] and alone[0](1), "level2_alone_ahead_ms": alone[1] and alone[1](1),
+            "overhead_ms": f.overhead,
+            "level3_ms": {str(k): statistics.median_low(v) for k, v in sorted(level3.items())},
             "a1": {name: run["level1_acceptance"] for name, run in runs.items()},
             "a2": runs["model"]["level2_acceptance"], "best_plan": top[0].name if top else None,
             "expected_speedup": top[1] / ar if top and ar else None, "gammas": expected}
@@ -209,6 +215,7 @@ def anatomy(engine: Engine, doc: str, instruction: str, bw: float | None) -> dic
 def oracle(target: str, draft: str, doc: str, instruction: str, new_tokens: int) -> dict:
     """Float32 on the GPU: our greedy AR and TriForce against transformers' greedy generate on the same prompt."""
     from transformers import AutoModelForCausalLM
+
     from core.io.loading import _cache_dir, resolve
     engine = Engine.load(target, draft, dtype="float32")
     engine.target.eos_ids = set()

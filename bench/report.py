@@ -116,6 +116,14 @@ ABOUT = {
     "draft-8plus4": About("A deeper draft's training", "Logs of a draft that was trained and not shipped, with the "
                           "training commands as recorded (the data and drafts they name were not kept; the training "
                           "code is `python -m distill`, see the draft's model card)."),
+    "simulate": About("Method auto, simulated on every recorded regime", "bench.simulate replays each regime above "
+                      "(its step costs and acceptances) round by round with noisy costs and drawn acceptances, after "
+                      "the engine's warm-up and a Compare click's autoregressive run: method auto over "
+                      "autoregressive decoding, over the best fixed plan in hindsight, and over the planner it "
+                      "replaced (see [method-auto.md](method-auto.md#the-simulator-python--m-benchsimulate))."),
+    "cpu-steps": About("What a step costs on this CPU, piece by piece", "The embedded model at ~8K tokens: a "
+                       "forward by rows on the full and the retrieval cache, the distributions by rows, and a "
+                       "level-2 step against a full one as method auto sees it."),
     "cpu-step-cost-draft": About("Level-1 step cost, the shipped draft", "For the draft's model card."),
     "cpu-step-cost-deep_8_8_9_28_29": About("Level-1 step cost, a deeper untrained draft", "For the draft's model "
                                             "card; the untrained draft was not kept."),
@@ -431,6 +439,13 @@ def figures(stem: str, data: dict) -> Iterator[str]:
             [r["variant"], r["budget_label"], *(f"{r[k]:.3f}" for k in ("acceptance", "greedy_agreement",
                                                                          "attention_recall"))]
             for r in data["summary"]))
+    elif stem == "simulate" and "regimes" in data:
+        yield from grid(["regime", "auto / AR", "auto / best fixed", "new / old planner", "best fixed plan"], (
+            [name, f"{r['auto_over_ar']:.2f}×", f"{r['auto_over_best_fixed']:.2f}", f"{r['new_over_old']:.3f}",
+             r["best_fixed"]] for name, r in data["regimes"].items()))
+        yield ""
+        yield ("What each profile assumes where no benchmark recorded a figure is listed under `assumed` in the "
+               "file.")
     elif stem == "served-stop":
         yield "Seconds from Stop until a short run then finished: " + ", ".join(
             f"{x:.1f}" for x in data["seconds_until_next_run_finished"]) + "."

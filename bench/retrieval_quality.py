@@ -47,11 +47,10 @@ import torch.nn.functional as F
 from bench.common import DOCS, environment, save
 from bench.needle import NEEDLE
 from core import Engine, GenerationConfig
-from core.cache.kvcache import KVCache
-from core.decode.levels import Level
-from core.model.ops import TorchOps, rotate
-from core.io.prompting import build_prompt, plain_ids
-from core.decode.sampling import distributions
+from core.cache import KVCache
+from core.decode import Level, distributions
+from core.io import build_prompt, plain_ids
+from core.model import TorchOps, rotate
 
 DEFAULT_TARGET = "qwen2.5-coder-0.5b"  # the preset (python -m core install-models), or a .gguf / directory
 INSTRUCTIONS = {"code": "Explain what this module does.", "prose": "Summarise what has happened so far.",

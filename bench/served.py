@@ -57,10 +57,9 @@ import torch
 
 from app.callbacks import COMPARE_OUTPUTS
 from app.presets import CUSTOM, EMBEDDED, preset_by_name
-from bench.common import (DOCS, SHAPES, GpuResults, environment, finish, merge_summary, model_source, save,
-                          tokenizer_of)
+from bench.common import DOCS, SHAPES, GpuResults, environment, finish, merge_summary, model_source, save, tokenizer_of
 from core import Engine, GenerationConfig
-from core.io.loading import load_tokenizer
+from core.io import load_tokenizer
 
 ROOT = Path(__file__).parent.parent
 DOCUMENT = "pride_and_prejudice.txt"

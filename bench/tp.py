@@ -27,7 +27,7 @@ import torch.distributed as dist
 from bench.common import LLAMA2_7B, LLAMA_68M, environment, random_model, save, sync_ms
 from core import Engine, GenerationConfig
 from core.events import Finished
-from core.model.parallel import TensorParallel, joined, parallelize
+from core.model import TensorParallel, joined, parallelize
 
 RUNS = {  # name: settings; the AR runs generate --ar-tokens, the others --new-tokens
     "ar": dict(method="ar", greedy=True),

@@ -39,8 +39,8 @@ class UnusableModelError(TriForceError):
     """A model was found but cannot be used: a corrupt file, an unsupported architecture, or its own code to run."""
 
 
-# The names the registries hold (core.decode.drafters.DRAFTERS, core.cache.retrieval.SELECTION_POLICIES and LEVEL2_CACHES),
-# spelled here so that this module needs nothing above it; a test checks that the two lists agree.
+# The names the registries hold (core.decode.drafters.DRAFTERS, core.cache.retrieval.SELECTION_POLICIES and
+# LEVEL2_CACHES), spelled here so that this module needs nothing above it; a test checks that the two lists agree.
 DRAFTER_CHOICES = ("auto", "model", "ngram", "none")
 POLICY_CHOICES = ("once", "every_verify")
 LEVEL2_CACHE_CHOICES = ("retrieval", "streaming")
@@ -193,6 +193,15 @@ def value_types(hint: Any) -> tuple[type, ...]:
     return (origin or hint,)
 
 
+BRIEF_CHARS = 60  # the most of a refused value a message repeats: enough to recognise it, never a flood
+
+
+def brief(value: Any) -> str:
+    """A refused value as a message shows it: its repr, cut to BRIEF_CHARS characters and an ellipsis."""
+    text = repr(value)
+    return text if len(text) <= BRIEF_CHARS else text[:BRIEF_CHARS] + "…"
+
+
 def check(name: str, value: Any, hint: Any, spec: Setting) -> None:
     """Raise TriForceError unless value fits the setting's type, range and choices."""
     kinds = value_types(hint)
@@ -205,7 +214,7 @@ def check(name: str, value: Any, hint: Any, spec: Setting) -> None:
         choices = spec.choices
         if choices is not None and value not in choices:
             raise TriForceError(f"{name} must be one of {', '.join(map(str, choices))}"
-                                f"{' or a whole number' if int in kinds else ''}, got {value!r}")
+                                f"{' or a whole number' if int in kinds else ''}, got {brief(value)}")
         return
     ok_type = isinstance(value, int) if float not in kinds else isinstance(value, (int, float))
     if not number or isinstance(value, bool) or not ok_type:
@@ -213,7 +222,7 @@ def check(name: str, value: Any, hint: Any, spec: Setting) -> None:
         want = "a number" if float in kinds else "a whole number" if int in kinds else \
             "true or false" if bool in kinds else "a list of strings" if list in kinds else \
             f"one of {', '.join(map(str, choices))}" if choices else "a string"
-        raise TriForceError(f"{name} must be {want}, got {value!r}")
+        raise TriForceError(f"{name} must be {want}, got {brief(value)}")
     if value != value or (spec.low is not None and value < spec.low) or (spec.high is not None and value > spec.high):
         bounds = f">= {spec.low}" if spec.high is None else f"between {spec.low} and {spec.high}"
-        raise TriForceError(f"{name} must be {bounds}, got {value!r}")
+        raise TriForceError(f"{name} must be {bounds}, got {brief(value)}")

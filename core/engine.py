@@ -23,11 +23,14 @@ from core.cache.memory import GiB, Memory, Plan, Prefilled, device_limit, workin
 from core.model.transformer import Transformer
 from core.decode.output import Output
 from core.model.parallel import TensorParallel, parallelize
-from core.plan.planner import CostBook, Estimates
+from core.plan.estimate import CostBook, Estimates, Regime
+from core.plan.policy import Auto, Fixed
 from core.io.presets import Preset, preset_config, resolve_preset
 from core.io.prompting import Prompt, build_prompt, plain_ids
 from core.io.samples import warm_up_text
-from core.decode.triforce import TriForce
+from core.decode.ahead import drafts_ahead
+from core.decode.round import Hierarchy
+from core.decode.triforce import TriForce, chains
 
 _LOADED: dict[tuple, "Engine"] = {}
 
@@ -47,15 +50,13 @@ def default_prefill_chunk(model: Transformer, limit: int | None = None) -> int:
 
 class Decoder(Protocol):
     """A decoding method over a prefilled target level: the events of filling its other caches, its events until
-    the answer is done, then what it adds to the run's figures and what its steps cost."""
+    the answer is done, then what it adds to the run's figures."""
 
     def prepare(self) -> Iterator[Event]: ...
 
     def run(self) -> Iterator[Event]: ...
 
     def footprint(self) -> Footprint: ...
-
-    def measured(self) -> Estimates: ...
 
 
 @dataclass
@@ -208,10 +209,11 @@ class Engine:
         ids, model = prompt.ids, self.target
         plan = self.memory.plan(len(ids), cfg)
         cfg, cs = plan.cfg, plan.cfg.chunk_size
-        yield PromptReady(len(ids), prompt.document_tokens, prompt.dropped_tokens, self.context_length,
-                          cfg.max_new_tokens, cs,
-                          [self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)],
-                          plan.placement.offloaded, plan.placement.describe())
+        yield PromptReady(prompt_tokens=len(ids), document_tokens=prompt.document_tokens,
+                          dropped_tokens=prompt.dropped_tokens, context_length=self.context_length,
+                          max_new_tokens=cfg.max_new_tokens, chunk_size=cs,
+                          chunk_texts=[self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)],
+                          offloaded=plan.placement.offloaded, caches=plan.placement.describe())
         target = Level(model, self.memory.full_cache(plan), [], self.graphs)
         t0 = time.perf_counter()
         try:
@@ -223,14 +225,14 @@ class Engine:
             return
         out = Output(self.tokenizer, cfg, model.eos_ids)
         generator = torch.Generator(model.device).manual_seed(cfg.seed)
-        decoder = self._decoder(plan, target, ids, generator, out)
+        decoder, estimates = self._decoder(plan, target, ids, generator, out)
         yield from decoder.prepare()
         prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         forwards, moved = target.forwards, target.cache.moved
         captured = self.graphs.capture_s if self.graphs else 0.0
         yield from decoder.run()
-        self.costs.learn(plan.placement.offloaded, len(ids), cfg.is_greedy, cfg.budget, decoder.measured())
+        self.costs.learn(Regime.of(plan.placement.offloaded, len(ids), cfg.is_greedy), cfg.budget, estimates)
         warmup_s = (self.graphs.capture_s if self.graphs else 0.0) - captured
         decode_s = time.perf_counter() - t1 - warmup_s  # capturing graphs (first use of a shape) is not decoding
         n, forwards = len(out.ids), target.forwards - forwards
@@ -246,17 +248,27 @@ class Engine:
         yield Finished(out.text, out.ids, ids, stats)
 
     def _decoder(self, plan: Plan, target: Level, ids: list[int], generator: torch.Generator, out: Output
-                 ) -> Decoder:
-        """The decoding method the plan's settings name, over the prefilled target level."""
-        cfg = plan.cfg
+                 ) -> tuple[Decoder, Estimates]:
+        """The decoding method the plan's settings name, over the prefilled target level, and the estimates its
+        rounds teach (from what earlier runs of this kind measured). Every setting named auto is decided here: the
+        policy (method auto's planner, or triforce's fixed hierarchy), its drafters, drafting ahead."""
+        cfg, offloaded, device = plan.cfg, plan.placement.offloaded, self.target.device
+        drafters = self.drafters(plan, ids, generator) if cfg.method != "ar" else {}
+        level2_cuts = plan.sizes.kept_chunks < plan.sizes.index_chunks  # else level 2 reads what level 3 reads
+        estimates = self.costs.estimates(Regime.of(offloaded, len(ids), cfg.is_greedy), cfg.budget, list(drafters),
+                                         [name for name, d in drafters.items() if d.in_passing], level2_cuts)
         if cfg.method == "ar":
-            return Autoregressive(target, ids, cfg, generator, out)
-        drafters = self.drafters(plan, ids, generator)
-        shadowed = [name for name, drafter in drafters.items() if drafter.in_passing]
-        estimates = self.costs.estimates(plan.placement.offloaded, len(ids), cfg.is_greedy, cfg.budget,
-                                         list(drafters), shadowed) if cfg.method == "auto" else None
+            return Autoregressive(target, ids, cfg, generator, out, estimates.observe), estimates
+        ahead = drafts_ahead(cfg.draft_ahead, offloaded, device)
+        if cfg.method == "auto":
+            policy = Auto(estimates, list(drafters), cfg.gamma1, cfg.gamma2, streamed=offloaded, level2=level2_cuts,
+                          ahead=ahead and device.type == "cuda", chained=chains(cfg) and self.graphs is not None)
+        else:
+            level1 = next(iter(drafters), "")
+            policy = Fixed(Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2, ahead), estimates)
         return TriForce(target, ids, self.memory.kept.queries, drafters, cfg, generator, out,
-                        self.memory.retrieval_cache(plan), self.graphs, self.memory.index_device(plan), estimates)
+                        self.memory.retrieval_cache(plan), policy, self.graphs, self.memory.index_device(plan)), \
+            estimates
 
     def _drafter_names(self, cfg: GenerationConfig) -> list[str]:
         """The level-1 drafters a run of these settings holds."""
@@ -270,10 +282,11 @@ class Engine:
         if self.memory.prefilled(ids, full):
             full.truncate(len(body))
             target.tokens = list(body)
-            yield PrefillProgress(len(body), len(body), time.perf_counter() - t0, full.nbytes, reused=True)
+            yield PrefillProgress(done=len(body), total=len(body), seconds=time.perf_counter() - t0,
+                                  cache_bytes=full.nbytes, reused=True)
             return
         full.truncate(0)
         chunk = cfg.prefill_chunk or default_prefill_chunk(self.target, self.memory.limit)
         for done in target.prefill(body, chunk, record=1, stop=stop):
-            yield PrefillProgress(done, len(body), time.perf_counter() - t0, full.nbytes)
+            yield PrefillProgress(done=done, total=len(body), seconds=time.perf_counter() - t0, cache_bytes=full.nbytes)
         self.memory.kept = Prefilled(list(ids), full, target.queries)

@@ -146,7 +146,8 @@ def test_warm_up_runs_each_path_and_keeps_no_prompt_cache(embedded):
                                                                  ("auto", False)]
     assert all(s.new_tokens > 0 and 500 < s.prompt_tokens < 1024 for s in stats)
     assert stats[2].level2_proposed > 0
-    assert any(DECODE_TOKENS in c.level3 for c in embedded.costs.level3.values())  # level-3 steps measured, by rows
+    assert any(DECODE_TOKENS in samples for (kind, *_), samples in embedded.costs.steps.items()
+               if kind == "level3")  # level-3 steps measured, by rows
     assert not embedded.memory.caches()
     document = "\n".join(f"Line {i}: the {i % 7}th verse of the long song." for i in range(150))  # ~2K tokens
     with torch.no_grad():

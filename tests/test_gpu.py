@@ -1,5 +1,5 @@
-"""The CUDA path, on a GPU (skipped without one): core.model.ops.TritonOps (the Triton kernels) against core.model.ops.TorchOps
-and float64 references, the chunk gather, chunk selection from bf16 means, and greedy decoding replayed from CUDA
+"""The CUDA path, on a GPU (skipped without one): core.model.ops.TritonOps (the Triton kernels) against
+core.model.ops.TorchOps and float64 references, the chunk gather, chunk selection from bf16 means, and greedy decoding replayed from CUDA
 graphs against eager PyTorch operators. `python -m bench.gpu --parts check` records the same measurements
 (`measured`) in the GPU result file.
 

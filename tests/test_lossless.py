@@ -7,7 +7,7 @@ import time
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-import core.plan.planner
+import core.plan.policy
 import core.decode.triforce
 from core.config import GenerationConfig
 from core.events import Verdict
@@ -83,16 +83,16 @@ def test_drafting_ahead_is_lossless_and_an_off_by_one_q_or_an_unchecked_guess_is
 
     draft_ahead = core.decode.triforce.TriForce.draft_ahead
 
-    def shifted(self, seq, committed, draft, made):
+    def shifted(made):
         made.draft.q = [made.q, *made.draft.q[:-1]]
 
-    def unchecked(self, seq, committed, draft, made):
+    def unchecked(made):
         made.q = torch.zeros_like(made.q)  # q(guess) = 0 <= p(guess): level 3 accepts every guess
 
     for bias, what in ((shifted, "an off-by-one q of drafts made ahead"), (unchecked, "a guess standing unchecked")):
-        def biased_ahead(self, h, seq, committed, draft, round_, want, bias=bias):
-            made = draft_ahead(self, h, seq, committed, draft, round_, want)
-            bias(self, seq, committed, draft, made)
+        def biased_ahead(self, h, seq, draft, round_, want, bias=bias):
+            made = draft_ahead(self, h, seq, draft, round_, want)
+            bias(made)
             return made
 
         monkeypatch.setattr(core.decode.triforce.TriForce, "draft_ahead", biased_ahead)
@@ -108,13 +108,14 @@ def test_level_2_s_guess_stands_about_as_often_as_level_3_accepts_a_draft(monkey
     token, where the likeliest token, kept only when level 3 draws it, would stand far less often."""
     engine, prompt = tiny_engine()
     hits = []
-    guessed = core.plan.planner.Planner.guessed
+    observe = core.plan.policy.Fixed.observe
 
-    def recording(self, hit):
-        hits.append(hit)
-        guessed(self, hit)
+    def recording(self, record):
+        if record.guess is not None:
+            hits.append(record.guess)
+        observe(self, record)
 
-    monkeypatch.setattr(core.plan.planner.Planner, "guessed", recording)
+    monkeypatch.setattr(core.plan.policy.Fixed, "observe", recording)
     with torch.no_grad():
         _, levels = emitted_pairs(engine, prompt, 40, max_new_tokens=16, gamma2=1, temperature=2.0, drafter="none",
                                   reselect="once", draft_ahead="on")

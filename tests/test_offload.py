@@ -39,7 +39,8 @@ def test_streamed_cache_computes_what_the_resident_one_does():
             rolled = level.logits(seq[:-1] + [11, 12], 3, len(PROMPT))
             index = ChunkIndex.build(full, len(PROMPT) - 1, 8)
             into = retrieval_cache(full, index, 64, 8)
-            gather_selection(full, index, select_chunks(index, queries, chunks_to_keep(index, 64)), into)
+            kept = chunks_to_keep(index.num_chunks, 64, index.chunk_size)
+            gather_selection(full, index, select_chunks(index, queries, kept), into)
         results.append((first, rolled, index.mean_keys, into.k[:, :, :into.head], into.v[:, :, :into.head]))
     for resident, streamed in zip(*results):
         assert torch.equal(resident, streamed)

@@ -6,7 +6,8 @@ import torch
 
 from core.config import GenerationConfig
 from core.cache.kvcache import KVCache
-from core.cache.retrieval import LEVEL2_CACHES, ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.cache.retrieval import (LEVEL2_CACHES, ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache,
+                                  select_chunks)
 
 LAYERS, HQ, HKV, D = 3, 6, 2, 8
 
@@ -43,7 +44,7 @@ def test_selection_matches_brute_force(length, cs, budget):
     cache, q = filled_cache(length, seed=length)
     index = ChunkIndex.build(cache, length, cs)
     assert index.num_chunks == length // cs and index.tail == length % cs
-    n_select = chunks_to_keep(index, budget)
+    n_select = chunks_to_keep(index.num_chunks, budget, index.chunk_size)
     assert n_select == min(budget // cs, length // cs)
     ids = select_chunks(index, q.view(LAYERS, HKV, HQ // HKV, D).sum(2), n_select)  # a GQA group's summed queries
     assert ids.tolist() == brute_force(cache, q, length, cs, n_select)
@@ -82,7 +83,8 @@ def test_budget_covering_prompt_equals_full_attention():
         list(target.prefill(prompt[:-1], 16, record=1))
         index = ChunkIndex.build(full, len(prompt) - 1, 8)
         retrieval = retrieval_cache(full, index, 4096, extra=8)
-        ids = select_chunks(index, torch.stack([q[:, -1] for q in target.queries]), chunks_to_keep(index, 4096))
+        n_select = chunks_to_keep(index.num_chunks, 4096, index.chunk_size)
+        ids = select_chunks(index, torch.stack([q[:, -1] for q in target.queries]), n_select)
         gather_selection(full, index, ids, retrieval)
         level2 = Level(model, retrieval, prompt[:-1])
         seq = prompt + [5, 7, 9]

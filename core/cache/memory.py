@@ -21,6 +21,7 @@ from core.config import GenerationConfig, TriForceError
 from core.cache.kvcache import KVCache, StreamingCache
 from core.model.transformer import Transformer
 from core.cache.offload import OffloadedKVCache
+from core.cache.retrieval import chunks_to_keep
 
 GiB = 2**30
 T = TypeVar("T")
@@ -85,14 +86,15 @@ class Sizes:
     full: int  # the prompt, the answer, the lookahead
     retrieval: int  # the chunks the budget buys, one more chunk's room (the partial last one), the answer, lookahead
     index_chunks: int  # full chunks of the prefilled prompt
+    kept_chunks: int  # ... and those the budget buys
     streaming: int  # level 1's sink + window (or all a short prompt and its answer need) + lookahead
 
     @classmethod
     def of(cls, prompt_tokens: int, cfg: GenerationConfig) -> "Sizes":
         past = cfg.max_new_tokens + cfg.lookahead
         chunks = (prompt_tokens - 1) // cfg.chunk_size
-        kept = min(cfg.budget // cfg.chunk_size, chunks) * cfg.chunk_size
-        return cls(prompt_tokens + past, kept + cfg.chunk_size + past, chunks,
+        kept = chunks_to_keep(chunks, cfg.budget, cfg.chunk_size)
+        return cls(prompt_tokens + past, kept * cfg.chunk_size + cfg.chunk_size + past, chunks, kept,
                    min(cfg.sink_tokens + cfg.window_tokens, prompt_tokens + cfg.max_new_tokens) + cfg.lookahead)
 
 
@@ -108,8 +110,10 @@ class Placement:
     limit: int
 
     def describe(self) -> dict[str, dict]:
-        """Each cache and what it takes, by where it lives (plain data, for events)."""
-        out = {name: {"where": "GPU", "bytes": n} for name, n in self.device.items()}
+        """Each cache and what it takes, by where it lives (plain data, for events): the device's memory is a GPU's
+        where there is a limit to plan against, else the CPU's."""
+        device = "GPU" if self.limit else "CPU"
+        out = {name: {"where": device, "bytes": n} for name, n in self.device.items()}
         out.update({name: {"where": "CPU", "bytes": n} for name, n in self.host.items()})
         return out
 

@@ -49,9 +49,9 @@ class ChunkIndex:
         return cls(mean, chunk_size, length)
 
 
-def chunks_to_keep(index: ChunkIndex, budget: int) -> int:
-    """How many chunks a budget buys (all of them when the budget covers the prompt)."""
-    return min(budget // index.chunk_size, index.num_chunks)
+def chunks_to_keep(chunks: int, budget: int, chunk_size: int) -> int:
+    """How many of a prompt's `chunks` a budget buys (all of them when it covers the prompt)."""
+    return min(budget // chunk_size, chunks)
 
 
 def chunk_scores(mean_keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -126,7 +126,7 @@ def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, 
 def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int) -> KVCache:
     """A new retrieval cache with exactly the room for the chunks `budget` buys of this prompt (+ tail) and `extra`
     later tokens (a run's own comes from core.cache.memory, sized to serve later prompts too)."""
-    head = chunks_to_keep(index, budget) * index.chunk_size + index.tail
+    head = chunks_to_keep(index.num_chunks, budget, index.chunk_size) * index.chunk_size + index.tail
     n_layers, n_kv, _, d = full.k.shape
     return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.device, head=head, start=index.length)
 
@@ -181,7 +181,7 @@ class Retrieval:
         self.policy = selection_policy(cfg.reselect)
         self.selector = LEVEL2_CACHES[cfg.level2_cache](cfg)
         self.index = ChunkIndex.build(full, full.seq_len, cfg.chunk_size, index_device)
-        self.n_select = chunks_to_keep(self.index, cfg.budget)
+        self.n_select = chunks_to_keep(self.index.num_chunks, cfg.budget, cfg.chunk_size)
         cache.reset(self.n_select * cfg.chunk_size + self.index.tail, self.index.length)
         self.synced = full.seq_len  # positions below this hold the full cache's keys/values
 
@@ -190,8 +190,10 @@ class Retrieval:
         t0 = time.perf_counter()
         ids = self.selector(self.index, torch.stack([q[:, row] for q in queries]), self.n_select)
         gather_selection(self.full, self.index, ids, self.cache, self.ops)
-        return RetrievalSelection(round_, position, self.cfg.chunk_size, self.index.num_chunks, self.index.length,
-                                  self.cfg.budget, ids.tolist(), time.perf_counter() - t0, self.cache.nbytes)
+        return RetrievalSelection(round=round_, position=position, chunk_size=self.cfg.chunk_size,
+                                  num_chunks=self.index.num_chunks, prompt_tokens=self.index.length,
+                                  budget=self.cfg.budget, chunk_ids=ids.tolist(), seconds=time.perf_counter() - t0,
+                                  cache_bytes=self.cache.nbytes)
 
     def copy_from_full(self, upto: int) -> None:
         """Give positions [synced, upto) the full cache's keys and values (the tokens level 3 verified since)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -11,8 +11,8 @@ from core.decode.graphs import clock
 from core.events import Event, Footprint, StepTiming
 from core.decode.levels import Level
 from core.decode.output import Output
-from core.plan.planner import Costs, Estimates
 from core.decode.repetition import Repetition
+from core.decode.round import AUTOREGRESSIVE, RoundRecord
 from core.decode.sampling import distributions, sample
 
 
@@ -30,13 +30,14 @@ def next_token(target: Level, seq: list[int], repetition: Repetition, cfg: Gener
 
 class Autoregressive:
     """One target forward per token until `out` says stop; the target level's cache must hold prompt[:-1]. Greedy
-    runs also note each step's top-two logit margin, so that a comparison can say where a near-tie was decided."""
+    runs also note each step's top-two logit margin, so that a comparison can say where a near-tie was decided.
+    `observe` receives each step's record (what a step costs: a later auto run starts from it)."""
 
     def __init__(self, target: Level, prompt: list[int], cfg: GenerationConfig, generator: torch.Generator,
-                 out: Output):
+                 out: Output, observe: Callable[[RoundRecord], None] = lambda record: None):
         self.target, self.prompt, self.cfg, self.generator, self.out = target, prompt, cfg, generator, out
+        self.observe = observe
         self.margins: list[torch.Tensor] = []  # per greedy step, on the device (read once, at the end)
-        self.costs = Costs()  # its steps' time (a later run's planner starts from it)
 
     def prepare(self) -> Iterator[Event]:
         """Nothing to prepare beside the prefilled cache."""
@@ -56,15 +57,11 @@ class Autoregressive:
                 self.margins.append(top[0] - top[1])
             ms = (clock(target.graphs) - t0) * 1e3
             if step:  # a first eager step may still compile kernels (a graph's capture is not on the clock)
-                self.costs.observe(0, 0.0, 1, ms, 0.0)
+                self.observe(RoundRecord(AUTOREGRESSIVE, level3_ms=ms, level3_wall_ms=ms))
             seq.append(token)
             yield out.add([token], ["target"], step)
-            yield StepTiming(step, 0.0, 0.0, ms, 0.0, 1)
+            yield StepTiming(round=step, level1_ms=0.0, level2_ms=0.0, level3_ms=ms, selection_ms=0.0, tokens=1)
             step += 1
-
-    def measured(self) -> Estimates:
-        """What a step took in this run."""
-        return Estimates(self.costs)
 
     def footprint(self) -> Footprint:
         """No drafts and no other caches; the greedy steps decided by a near-tie, with their margins."""

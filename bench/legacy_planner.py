@@ -1,4 +1,7 @@
-"""Choosing the hierarchy as a run goes: which levels a round uses and how many tokens each drafts, from measured
+"""The planner method auto had before core.plan, kept only for bench.simulate's comparison of the two (new over
+old); the pieces the two share unchanged are taken from core. What it said of itself:
+
+Choosing the hierarchy as a run goes: which levels a round uses and how many tokens each drafts, from measured
 step costs and the acceptance seen so far.
 
 TriForce pays only where reading the full KV cache is the expensive part of a step; elsewhere its extra levels are
@@ -20,7 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Sequence, TypeVar
 
-from core.events import verified
+from core.decode.round import AUTOREGRESSIVE, DRAFTER_NAMES as LEVEL1_NAMES, Hierarchy
+from core.plan.cost import candidates
+from core.plan.estimate import Estimate, carried, prior
 
 T = TypeVar("T")
 
@@ -51,70 +56,6 @@ CARRIED = ("a2", "guess")  # the acceptances of a whole run (Estimates' fields) 
 # the next one quoted nothing (0.09). Taken at face value, such estimates started runs of the real pair on drafts that
 # lost a third of their speed; one deviation below, they wait until the run itself has shown them.
 CAUTION = 1.0
-
-
-@dataclass(frozen=True)
-class Hierarchy:
-    """The levels a round uses: `level1` names the drafter that drafts ("": none), `level2` (the target on the
-    retrieval cache) checks level 1 and drafts for level 3; `gamma1` level-1 tokens per level-2 check, `gamma2`
-    drafted tokens per level-3 check (0: autoregressive); `ahead`: level 2 drafts the next round while level 3
-    verifies this one (TriForce.draft_ahead)."""
-
-    level1: str
-    level2: bool
-    gamma1: int = 0
-    gamma2: int = 0
-    ahead: bool = False
-
-    @property
-    def name(self) -> str:
-        if not self.gamma2:
-            return "autoregressive"
-        by = f"{LEVEL1_NAMES.get(self.level1, self.level1)}, " if self.level1 else ""
-        then = ", drafting ahead" if self.ahead else ""
-        if self.level1 and self.level2:
-            return f"levels 1 → 2 → 3 ({by}γ1 {self.gamma1}, γ2 {self.gamma2}{then})"
-        return f"levels {1 if self.level1 else 2} → 3 ({by}γ {self.gamma2}{then})"
-
-
-AUTOREGRESSIVE = Hierarchy("", False)
-LEVEL1_NAMES = {"model": "draft model", "ngram": "prompt lookup"}  # how a plan's name calls each drafter
-
-
-@dataclass
-class Estimate:
-    """Drafts verified and accepted at one check. A draft after a rejection is never verified, so accepted /
-    verified estimates the per-token acceptance probability α (accepted / proposed would underrate long drafts)."""
-
-    verified: float = PRIOR_WEIGHT
-    accepted: float = PRIOR_WEIGHT / 2
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.verified
-
-    def lower(self, caution: float) -> float:
-        """The rate less `caution` standard deviations of the estimate (a Beta posterior's, over the observations
-        behind it): the same rate seen over few drafts counts for less than over many."""
-        p = self.rate
-        return max(0.0, p - caution * math.sqrt(p * (1.0 - p) / (self.verified + 1.0)))
-
-    def add(self, proposed: int, accepted: int) -> None:
-        self.verified += verified(proposed, accepted)
-        self.accepted += accepted
-
-
-def prior(alpha: float) -> Estimate:
-    """An acceptance estimate before any verification: α worth PRIOR_WEIGHT observations."""
-    return Estimate(PRIOR_WEIGHT, PRIOR_WEIGHT * alpha)
-
-
-def carried(seen: Estimate, borrowed: bool) -> Estimate:
-    """What an earlier run observed, as the next run's prior: its rate, worth the observations behind it up to
-    CARRIED_WEIGHT where that run was of the same kind, a default prior's PRIOR_WEIGHT where it is `borrowed` from
-    another kind."""
-    weight = PRIOR_WEIGHT if borrowed else min(seen.verified, CARRIED_WEIGHT)
-    return Estimate(weight, weight * seen.rate)
 
 
 # Samples behind each measured cost: their low median is the cost, so that one stalled round (a GC pause, a busy CPU,
@@ -445,21 +386,6 @@ def rate(h: Hierarchy, e: Estimates, caution: float = 0.0) -> float | None:
         round_ms = (1.0 - kept) * drafting + max(verify, ahead + c.post) + c.overhead
         return expected_tokens(alpha(e.a2), h.gamma2) / round_ms
     return expected_tokens(alpha(d.a13 or d.a1), alpha(d.offered) * h.gamma2) / (h.gamma2 * d.ms + verify)
-
-
-def candidates(drafters: Sequence[str], gamma1_max: int, gamma2_max: int, level2: bool = True, ahead: bool = False
-               ) -> list[Hierarchy]:
-    """The hierarchies and γs a run weighs: level 1 by each of its drafters, level 2 only where its cache leaves part
-    of the prompt out, each level-2 plan also drafting ahead where level 2 can (`ahead`)."""
-    gammas = [g for g in GAMMAS if g < gamma2_max] + [gamma2_max]
-    out = [AUTOREGRESSIVE]
-    if level2:
-        out += [Hierarchy("", True, 0, g) for g in gammas]
-    for name in drafters:
-        out += [Hierarchy(name, False, 0, g) for g in gammas]
-        if level2:
-            out += [Hierarchy(name, True, g1, g2) for g1 in range(1, gamma1_max + 1) for g2 in gammas]
-    return out + ([replace(h, ahead=True) for h in out if h.level2] if ahead else [])
 
 
 def best(options: list[Hierarchy], e: Estimates, caution: float = 0.0) -> tuple[Hierarchy, float] | None:

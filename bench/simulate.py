@@ -1,0 +1,439 @@
+"""Method auto, replayed: `python -m bench.simulate [--seeds 20] [--tokens 128]`.
+
+Each regime recorded in bench/results (the real Qwen2.5-Coder pair on-chip and offloaded at 30K, the random 7B shape
+on-chip at 120K, the random 7B / 8B shapes offloaded at 128K, the embedded model on this CPU, the served app's
+sampled click at 8K on a GPU) becomes a profile: what each kind of step costs by rows, what each level accepts, what
+the hardware allows (drafting ahead, chained level-2 forwards). A run is then simulated round by round: the policy
+chooses a hierarchy, the simulator draws which drafts stand (each accepted with its level's probability) and what
+each step took (its recorded cost with noise: lognormal jitter and, now and then, a stall), and hands the policy the
+round's record, as the engine does. Per regime and seed: a warm-up run of method triforce and an autoregressive run
+fill the cost book (as the engine's warm-up and a Compare click do), then method auto runs. Reported per regime, means
+over seeds: auto over autoregressive decoding, auto over the best fixed plan in hindsight (the fastest of the
+candidates the cost model ranks highest, each simulated with the same seeds), and the new planner (core.plan) over
+the one it replaced (bench/legacy_planner.py, kept only for this comparison). Writes bench/results/simulate.json
+with summary.simulate.{regime}.{auto_over_ar, auto_over_best_fixed, new_over_old}.
+
+What a profile takes from a result file is read from it; what no benchmark recorded is an assumption named in the
+profile's `assumed` list (shown in the output)."""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import random
+import statistics
+from dataclasses import dataclass, field, replace
+
+from bench import legacy_planner as old
+from bench.common import RESULTS, environment, save
+from core.config import AUTO_GAMMA2
+from core.decode import AUTOREGRESSIVE, SHADOW_GAMMA, Forwards, Hierarchy, RoundRecord
+from core.plan import Auto, CostBook, Drafter, Figures, Fixed, Line, Regime, best, candidates, rate
+
+GAMMA1 = 2  # GenerationConfig's default γ1: auto's longest level-1 draft per level-2 check
+SIGMA = 0.05  # lognormal jitter of a measured step (a few % between two runs of one plan on the H200)
+STALL, STALL_FACTOR = 0.02, 3.0  # a step now and then held up (a GC pause, the other thread), by this factor
+WARM_TOKENS, AR_TOKENS = 64, 32
+
+
+@dataclass
+class Level1:
+    """A level-1 drafter's recorded figures: ms per token asked, acceptance at level 2 and 3, share proposed."""
+
+    ms: float
+    a1: float
+    a13: float
+    offered: float
+    in_passing: bool
+
+
+@dataclass
+class Profile:
+    """One regime's truth: step costs (ms) and acceptances, and what the hardware allows."""
+
+    name: str
+    level3: dict[int, float]  # by rows; between recorded sizes linear, beyond the largest flat (or `linear`)
+    level2: float  # a forward checking level 1 (γ1 + 1 rows)
+    level2_one: float  # a forward of one row (level 2 drafting alone, not chained)
+    chained: float | None  # a forward drafting alone, chained on the device (None: not on this hardware)
+    drafters: dict[str, Level1]
+    a2: float
+    overhead: float = 0.0
+    beside: float = 1.0  # level 2's slow-down beside level 3's pass (drafting ahead)
+    post: float = 0.0
+    streamed: bool = False
+    ahead: bool = False
+    greedy: bool = False
+    prompt_tokens: int = 30000
+    linear: bool = False  # level 3 beyond its largest recorded size goes on along its last segment (a CPU)
+    assumed: list[str] = field(default_factory=list)
+
+    def step3(self, rows: int) -> float:
+        sizes = sorted(self.level3)
+        if rows <= sizes[0]:
+            return self.level3[sizes[0]]
+        if rows >= sizes[-1] and not (self.linear and len(sizes) > 1):
+            return self.level3[sizes[-1]]
+        i = min(bisect.bisect_left(sizes, rows), len(sizes) - 1)
+        a, b = sizes[i - 1], sizes[i]
+        return self.level3[a] + (self.level3[b] - self.level3[a]) * (rows - a) / (b - a)
+
+    def figures(self) -> Figures:
+        """The truth as the cost model would see it with every figure known exactly (for ranking fixed plans)."""
+        sizes = sorted(self.level3)
+        multi = [r for r in sizes if r > 1] or sizes
+        slope = (self.level3[multi[-1]] - self.level3[multi[0]]) / (multi[-1] - multi[0]) if len(multi) > 1 else 0.0
+        fixed = self.level3[multi[0]] - slope * multi[0]
+        saving = fixed + slope - self.level3[1] if 1 in self.level3 else None
+        level3 = Line(fixed, slope, saving, True)
+        level2 = Line(self.level2_one, (self.level2 - self.level2_one) / GAMMA1, None, True)
+        chained = Line(self.chained) if self.chained is not None else None
+        return Figures(level3, level2, chained, Line(level2.fixed * self.beside, level2.per_row * self.beside),
+                       Line(chained.fixed * self.beside) if chained else None, self.overhead, self.post,
+                       {n: Drafter(d.ms, d.a1, d.a13, d.offered) for n, d in self.drafters.items()}, self.a2,
+                       self.a2)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def real_profiles() -> list[Profile]:
+    """The real Qwen2.5-Coder-1.5B + 0.5B pair at 30K tokens, each document, from bench.real's `bound`: the costs
+    the engine's cost book held after the sampled runs and the acceptances the fixed runs saw."""
+    out = []
+    for file, part in (("real-onchip-NVIDIA-H200", "onchip"), ("real-NVIDIA-H200", "offload")):
+        for doc, v in load(file)[part].items():
+            b, offloaded = v["bound"], part == "offload"
+            assumed = ["level 2 drafting alone, one row, not chained: the chained forward's cost",
+                       "level 3 accepts level 2's guess as often as a draft (a2)", "a13 = a1"]
+            if offloaded:
+                assumed.append("what follows the pass: 1.5 ms (not recorded; the pass's head and verification)")
+            beside = b["level2_ahead_ms"] / b["level2_ms"] if b.get("level2_ahead_ms") else 1.0
+            drafters = {n: Level1(ms, b["a1"][n], b["a1"][n], b["offered"][n], n == "ngram")
+                        for n, ms in b["level1_ms"].items()}
+            out.append(Profile(f"real_{part}_30k_{doc.split('@')[0]}", {int(k): ms for k, ms in b["level3_ms"].items()},
+                               b["level2_ms"], b["level2_alone_ms"], b["level2_alone_ms"], drafters, b["a2"],
+                               b["overhead_ms"], beside, 1.5 if offloaded else 0.0, offloaded, offloaded,
+                               assumed=assumed))
+    return out
+
+
+def random_profiles() -> list[Profile]:
+    """The random 7B shape on-chip at 120K (bench.planner) and the 7B / 8B shapes offloaded at 128K (bench.offload),
+    sampled: level 3 by rows from the cost book's sampled regime (offloaded) or the runs' rounds (on-chip), level 2
+    per forward and the acceptances from the fixed TriForce runs' rounds. Random weights: prompt lookup does not
+    draft there (the fixed runs drafted with the draft model)."""
+    out = []
+    planner = load("planner-runs-NVIDIA-H200")["runs"]
+    tf, ar = planner["triforce sampled"], planner["ar sampled"]
+    forwards = sum(r[3] for r in tf["rounds"])
+    level2 = sum(r[0] for r in tf["rounds"]) / forwards
+    gamma2 = tf["settings"]["gamma2"]
+    step7 = statistics.median(r[1] for r in tf["rounds"] if r[3])
+    out.append(Profile("random_7b_onchip_120k", {1: ar["level3_ms"], gamma2 + 1: step7}, level2, level2, level2,
+                       {"model": Level1(tf["level1_ms"] * tf["tokens_per_target_forward"] / GAMMA1 / 2,
+                                        tf["level1_acceptance"], tf["level1_acceptance"], 1.0, False)},
+                       tf["level2_acceptance"], prompt_tokens=tf["prompt_tokens"],
+                       assumed=["level 3 linear between 1 and 7 rows, flat beyond",
+                                "a level-1 token's ms from the run's per-token level-1 time"]))
+    for shape, v in load("offload-NVIDIA-H200")["shapes"].items():
+        book = v["level3_ms_before_auto"]["(True, 17, False)"]
+        runs = {(r["method"], r["sampling"]): r for r in v["runs"]}
+        tf = runs[("triforce", "T0.6/top-p0.9")]
+        forwards = sum(r[3] for r in tf["rounds"])
+        level2 = sum(r[0] for r in tf["rounds"]) / forwards
+        out.append(Profile(f"random_{shape}_offload_128k", {int(k): ms for k, ms in book.items()}, level2, level2,
+                           level2, {"model": Level1(tf["level1_ms"] * tf["tokens_per_target_forward"] / GAMMA1 / 2,
+                                                    tf["level1_acceptance"], tf["level1_acceptance"], 1.0, False)},
+                           tf["level2_acceptance"], 0.5, 1.15, 1.5, True, True, prompt_tokens=tf["prompt_tokens"],
+                           assumed=["level 2 beside the pass 15 % slower (the real pair's)", "post 1.5 ms",
+                                    "overhead 0.5 ms", "a level-1 token's ms from the run's per-token level-1 time"]))
+    return out
+
+
+def cpu_profile() -> list[Profile]:
+    """The embedded SmolLM2-135M on this 2-core CPU at ~8K tokens (bench.cpu, budget 1024): autoregressive steps;
+    level 2 per forward with drafter none (one row) and with the draft model (γ1 + 1 rows); level 3 over 7 rows from
+    the none run's rounds (a round: six one-row level-2 forwards and one seven-row verification)."""
+    out = []
+    for greedy in (True, False):
+        rows = [r for r in load("cpu-budget1024")["rows"] if r.get("greedy", False) == greedy]
+        by = {r["drafter"]: r for r in rows}
+        ar = 1e3 / by[None]["tokens_per_s"]
+        none, model, ngram = by["none"], by["model"], by["ngram"]
+        round_ms = 1e3 * none["tokens_per_target_forward"] / none["tokens_per_s"]
+        step7 = round_ms - 6 * none["level2_step_ms"]
+        out.append(Profile(f"cpu_embedded_{'greedy' if greedy else 'sampled'}", {1: ar, 7: max(ar, step7)},
+                           model["level2_step_ms"], none["level2_step_ms"], None,
+                           {"model": Level1(model["level1_step_ms"], model["level1_acceptance"],
+                                            model["level1_acceptance"], 1.0, False),
+                            "ngram": Level1(0.05, ngram["level1_acceptance"], ngram["level1_acceptance"], 0.7, True)},
+                           none["level2_acceptance"], greedy=greedy, prompt_tokens=8000, linear=True,
+                           assumed=["prompt lookup proposes for 0.7 of tokens asked, 0.05 ms a token",
+                                    "level 3 linear in rows (a CPU forward is compute-bound)"]))
+    return out
+
+
+def app_profile() -> list[Profile]:
+    """The served app's first sampled click at 8K on a GPU (bench.served scale, random SmolLM2-135M shape): a small
+    model on chip, so every level's step costs about a full one; the autoregressive step from the app's runs."""
+    clicks = load("served-scale-8k-NVIDIA-H200")["app_scale"]["engine_clicks"]["sampled"]
+    ar = 1e3 / clicks["ar"]["tokens_per_s"]
+    return [Profile("app_gpu_sampled_8k", {1: ar, 2: 1.1 * ar, 32: 1.25 * ar}, ar, 0.95 * ar, 0.9 * ar,
+                    {"ngram": Level1(0.01, 0.05, 0.05, 0.9, True)}, 0.9, 0.05, prompt_tokens=8000,
+                    assumed=["level 3: 1.1x the one-row step at 2 rows, 1.25x at 32", "level 2 0.95x a full step",
+                             "sampled prompt lookup on random weights accepted 0.05", "a2 0.9"])]
+
+
+def profiles() -> list[Profile]:
+    return real_profiles() + random_profiles() + cpu_profile() + app_profile()
+
+
+class OldPolicy:
+    """The planner core.plan replaced (bench/legacy_planner.py), behind the Policy interface: each record handed to
+    it as the old round loop did, call by call."""
+
+    def __init__(self, planner: old.Planner):
+        self.planner, self.in_passing = planner, planner.fixed is None
+
+    @property
+    def reason(self) -> str:
+        return self.planner.reason
+
+    def choose(self) -> Hierarchy:
+        h = self.planner.choose()
+        return Hierarchy(h.level1, h.level2, h.gamma1, h.gamma2, h.ahead)
+
+    def observe(self, r: RoundRecord) -> None:
+        p = self.planner
+        for by, asked, proposed, kept in r.level1_checks:
+            p.level1_checked(r.plan.level1, by, asked, proposed, kept)
+        if r.plan.level2:
+            p.level2_checked(r.drafted, r.accepted)
+        if r.guess is not None:
+            p.guessed(r.guess)
+        for name, (checks, ms) in r.in_passing.items():
+            p.shadowed(name, checks, ms)
+        own = [f for f in r.level2 if not f.beside]
+        beside = [f for f in r.level2 if f.beside]
+        p.observe(r.plan.level1, r.level1_asked, r.level1_ms + r.level1_beside_ms, sum(f.count for f in own),
+                  sum(f.ms for f in own), r.rows, r.level3_ms, r.overhead_ms, sum(f.count for f in beside),
+                  sum(f.ms for f in beside), r.post_ms)
+
+
+class Simulator:
+    """Rounds of one profile under a policy, with one seed's random draws. Whether a draft stands is drawn per answer
+    position (common random numbers): two policies on one seed meet the same answer, however they draft it, and
+    differ by their choices, not by their luck."""
+
+    def __init__(self, prof: Profile, seed: int):
+        self.prof, self.rng = prof, random.Random(seed)
+        draws = random.Random(seed + 1_000_003)
+        self.u = {level: [draws.random() for _ in range(4096)] for level in (1, 3, 4)}  # level 1, level 3, the guess
+        self.done = 0  # answer tokens emitted so far in the current run
+        self.seen: set[tuple] = set()
+
+    def cost(self, ms: float) -> float:
+        """A measured step: its cost, jittered, now and then stalled."""
+        x = ms * self.rng.lognormvariate(0.0, SIGMA)
+        return x * STALL_FACTOR if self.rng.random() < STALL else x
+
+    def accepted(self, alpha: float, n: int, level: int, at: int) -> int:
+        """Drafts that stand of `n` proposed at answer position `at`, each with probability `alpha`."""
+        u = self.u[level]
+        k = 0
+        while k < n and u[(at + k) % len(u)] < alpha:
+            k += 1
+        return k
+
+    def drafting(self, h: Hierarchy, want: int, beside: bool) -> tuple[RoundRecord, int]:
+        """Level 2's (or level 1's) draft of `want` tokens: a record of what it took and the tokens drafted."""
+        p, r = self.prof, RoundRecord(h)
+        d = p.drafters.get(h.level1)
+        slow = p.beside if beside else 1.0
+        if not h.level2:  # level 1 for level 3 directly (nothing drafted: autoregressive)
+            proposed = want if d and self.rng.random() < d.offered else 0
+            if d and want:
+                r.level1_asked, r.level1_ms = want, self.cost(want * d.ms)
+            return r, proposed
+        if d is None and p.chained is not None:
+            r.level2.append(Forwards(want, 1, self.cost(want * p.chained * slow), chained=True, beside=beside))
+            return r, want
+        tokens = 0
+        while tokens < want:
+            asked = min(h.gamma1, want - tokens) if d else 0
+            proposed = asked if d and self.rng.random() < d.offered else 0
+            kept = self.accepted(d.a1, proposed, 1, self.done + tokens) if d else 0
+            if asked:
+                r.level1_asked += asked
+                r.level1_ms += self.cost(asked * d.ms)
+                r.level1_checks.append((2, asked, proposed, kept))
+            ms = p.level2_one + (p.level2 - p.level2_one) * proposed / GAMMA1
+            r.level2.append(Forwards(1, proposed + 1, self.cost(ms * slow), beside=beside))
+            tokens += kept + 1
+        return r, min(tokens, want)
+
+    def run(self, policy, tokens: int) -> tuple[int, float]:
+        """A run of `tokens` new tokens: (tokens emitted, decoding milliseconds)."""
+        p, done, wall, ready = self.prof, 0, 0.0, None
+        self.done = 0
+        while done < tokens:
+            h = policy.choose()
+            want = min(h.gamma2, tokens - done)
+            if ready is not None and ready == h:
+                record, drafted = RoundRecord(h), want
+            else:
+                record, drafted = self.drafting(h, want, False)
+            if h.level2:
+                record.sync_ms = self.cost(p.overhead)
+            d = p.drafters.get(h.level1)
+            alpha = p.a2 if h.level2 else d.a13 if d else 0.0
+            accepted = self.accepted(alpha, drafted, 3, done)
+            if h.level1 and not h.level2 and record.level1_asked:
+                record.level1_checks.append((3, record.level1_asked, drafted, accepted))
+            rows = drafted + 1
+            first = (h.level2, rows) not in self.seen
+            self.seen.add((h.level2, rows))
+            step = self.cost(p.step3(rows)) * (1.5 if first and p.streamed else 1.0)  # a first use's one-time work
+            after = min(h.gamma2, tokens - done - drafted - 1)
+            ready, emitted = None, accepted + 1
+            if h.ahead and drafted and after > 0:
+                made, _ = self.drafting(h, after + 1, True)  # the guess and the next round's draft, beside the pass
+                pass_ms = step - p.post
+                beside_ms = sum(f.ms for f in made.level2) + made.level1_ms
+                record.level3_wall_ms = max(pass_ms, beside_ms) + p.post
+                record.level3_ms, record.post_ms = step, p.post
+                _took(record, made)
+                if accepted == drafted:
+                    record.guess = self.u[4][(done + drafted) % len(self.u[4])] < p.a2
+                    ready = h if record.guess else None
+            else:
+                record.level3_ms = record.level3_wall_ms = step
+            record.rows, record.drafted, record.accepted = rows, drafted, accepted
+            if policy.in_passing:
+                record.in_passing = self.in_passing(h, emitted)
+            policy.observe(record)
+            wall += record.level1_ms + record.level2_ms + record.level3_wall_ms + record.overhead_ms
+            done += emitted
+            self.done = done
+        return done, wall
+
+    def in_passing(self, h: Hierarchy, emitted: int) -> dict:
+        """What the drafters asked in passing would have proposed, checked against the `emitted` tokens."""
+        out = {}
+        for name, d in self.prof.drafters.items():
+            if d.in_passing and name != h.level1:
+                proposed = SHADOW_GAMMA if self.rng.random() < d.offered else 0
+                kept = self.accepted(d.a13, min(proposed, emitted), 1, self.done)
+                out[name] = ([(SHADOW_GAMMA, proposed, kept)], 0.01)
+        return out
+
+
+def _took(record: RoundRecord, made: RoundRecord) -> None:
+    """Add the drafting made beside level 3's pass to a round's record."""
+    record.level1_asked += made.level1_asked
+    record.level1_beside_ms += made.level1_ms
+    record.level2 += made.level2
+    record.level1_checks += made.level1_checks
+
+
+# The engine's warm-up on a short text (about 700 tokens) before a first request, as the cost book sees it: TriForce
+# drafting the longest level-3 draft (every decode-step size compiles then), TriForce at its default γ2, and an
+# autoregressive run; then the request's own Compare click: an autoregressive run on the document, then method auto.
+WARM_UP = ((AUTO_GAMMA2, WARM_TOKENS), (6, WARM_TOKENS), (0, AR_TOKENS))
+SHORT_TOKENS, SHORT_COST = 700, 0.8  # the warm-up's text, and its steps' cost against the document's (assumed)
+
+
+class Book:
+    """One planner's cost book through the warm-up and the Compare click: the new one (core.plan) or the old."""
+
+    def __init__(self, prof: Profile, legacy: bool):
+        self.prof, self.legacy = prof, legacy
+        self.book = old.CostBook() if legacy else CostBook()
+
+    def policy(self, plan: Hierarchy | None, prompt_tokens: int):
+        """Method auto (`plan` None) or a fixed plan, starting from the book; its estimates are learnt after."""
+        prof, drafters = self.prof, list(self.prof.drafters)
+        passing = [n for n, d in prof.drafters.items() if d.in_passing]
+        if self.legacy:
+            e = self.book.estimates(prof.streamed, prompt_tokens, prof.greedy, 4096, drafters, passing)
+            fixed = old.Hierarchy(plan.level1, plan.level2, plan.gamma1, plan.gamma2, plan.ahead) if plan else None
+            planner = old.Planner(e, drafters, GAMMA1, AUTO_GAMMA2, prof.streamed, True, prof.ahead,
+                                  prof.chained is not None, fixed=fixed)
+            self.learn = lambda: self.book.learn(prof.streamed, prompt_tokens, prof.greedy, 4096, e)
+            return OldPolicy(planner)
+        regime = Regime.of(prof.streamed, prompt_tokens, prof.greedy)
+        e = self.book.estimates(regime, 4096, drafters, passing)
+        self.learn = lambda: self.book.learn(regime, 4096, e)
+        if plan is not None:
+            return Fixed(plan, e)
+        return Auto(e, drafters, GAMMA1, AUTO_GAMMA2, streamed=prof.streamed, ahead=prof.ahead,
+                    chained=prof.chained is not None)
+
+    def auto_run(self, seed: int, tokens: int) -> float:
+        """The warm-up, the Compare click's autoregressive run, then auto's run: its tokens per millisecond."""
+        prof = self.prof
+        short = Simulator(replace(prof, level3={r: SHORT_COST * ms for r, ms in prof.level3.items()}), seed)
+        level1 = next(iter(prof.drafters), "")
+        for gamma2, n in WARM_UP:
+            plan = Hierarchy(level1, True, GAMMA1 if level1 else 0, gamma2, prof.ahead) if gamma2 else AUTOREGRESSIVE
+            short.run(self.policy(plan, SHORT_TOKENS), n)
+            self.learn()
+        sim = Simulator(prof, seed)
+        sim.run(self.policy(AUTOREGRESSIVE, prof.prompt_tokens), AR_TOKENS)
+        self.learn()
+        done, ms = sim.run(self.policy(None, prof.prompt_tokens), tokens)
+        return done / ms
+
+
+def simulate(prof: Profile, seeds: int, tokens: int, fixed: bool = True) -> dict:
+    """The regime's figures over `seeds` seeds (`fixed`: with the best fixed plan in hindsight)."""
+    new = statistics.mean(Book(prof, legacy=False).auto_run(seed, tokens) for seed in range(seeds))
+    legacy = statistics.mean(Book(prof, legacy=True).auto_run(seed, tokens) for seed in range(seeds))
+    ar = fixed_rate(prof, AUTOREGRESSIVE, seeds, tokens)
+    out = {"auto_over_ar": new / ar, "new_over_old": new / legacy, "old_over_ar": legacy / ar, "seeds": seeds,
+           "tokens": tokens, "ar_ms_per_token": 1.0 / ar, "assumed": prof.assumed}
+    if fixed:  # the cost model's top candidates at the true figures, each simulated: the best in hindsight
+        truth = prof.figures()
+        options = candidates(list(prof.drafters), GAMMA1, AUTO_GAMMA2, ahead=prof.ahead)
+        rates = {h.name: fixed_rate(prof, h, seeds, tokens)
+                 for h in sorted(options, key=lambda h: -(rate(h, truth) or 0.0))[:8]}
+        top = max(rates, key=rates.get)
+        out |= {"auto_over_best_fixed": new / rates[top], "best_fixed": top, "best_fixed_over_ar": rates[top] / ar}
+    return out
+
+
+def fixed_rate(prof: Profile, h: Hierarchy, seeds: int, tokens: int) -> float:
+    """Tokens per millisecond of a fixed plan, mean over seeds."""
+    runs = [Simulator(prof, seed).run(Fixed(h, book_free()), tokens) for seed in range(seeds)]
+    return statistics.mean(t / ms for t, ms in runs)
+
+
+def book_free():
+    """Estimates for a fixed plan that learns nothing kept (the comparison runs)."""
+    return CostBook().estimates(Regime(False, 1, False), 4096)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--only", nargs="*", help="regimes to simulate (default: all)")
+    args = p.parse_args(argv)
+    results = {}
+    for prof in profiles():
+        if args.only and prof.name not in args.only:
+            continue
+        results[prof.name] = r = simulate(prof, args.seeds, args.tokens)
+        print(f"{prof.name:32s} auto/AR {r['auto_over_ar']:.3f}  auto/best fixed {r['auto_over_best_fixed']:.3f}  "
+              f"new/old {r['new_over_old']:.3f}  (best fixed: {r['best_fixed']}, {r['best_fixed_over_ar']:.2f}x)",
+              flush=True)
+    summary = {name: {k: r[k] for k in ("auto_over_ar", "auto_over_best_fixed", "new_over_old")}
+               for name, r in results.items()}
+    print(save("simulate", {**environment(), "regimes": results, "summary": {"simulate": summary}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Who chooses each round's hierarchy: method triforce's fixed one (`Fixed`), or method auto's planner (`Auto`),
+which measures what it does not know, weighs every candidate with the cost model and switches only for a clear
+gain. Both learn every round's costs and acceptances into the run's Estimates, which the engine's CostBook keeps for
+the next run. The numbers in parentheses cite docs/method-auto.md, where each constant has its reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from core.decode.round import AUTOREGRESSIVE, Hierarchy, RoundRecord
+from core.model.parallel import agree
+from core.plan.cost import Figures, best, candidates, rate
+from core.plan.estimate import Estimates
+
+SWITCH_GAIN = 1.10  # another plan must be expected this much faster to replace the current one (1)
+MIN_ROUNDS = 4  # rounds a plan runs before it is weighed again (2) ...
+WEIGH_EVERY_MS = 20.0  # ... and decoding time between two weighings, doubled each time the plan is kept (3) ...
+WEIGH_MOST_MS = 160.0  # ... up to this (3)
+SETTLE_MS = 200.0  # ... or this much decoding, where rounds are slow (4)
+CHAIN_WORTH = 0.5  # drafting alone is measured only where a level-2 step costs under this share of a full one (6)
+MAX_SWITCHES = 6  # switches per run once the costs are measured; after that only back to autoregressive (7)
+CAUTION = 1.0  # plans are weighed at acceptances this many standard deviations below what was seen (9)
+
+
+@dataclass
+class Fixed:
+    """Method triforce: every round the same hierarchy (1 → 2 → 3, or 2 → 3 with drafter none); it only records what
+    the levels cost and accepted (a next auto run starts from them)."""
+
+    plan: Hierarchy
+    estimates: Estimates
+    reason: str = ""
+    in_passing: bool = False
+
+    def choose(self) -> Hierarchy:
+        return self.plan
+
+    def observe(self, record: RoundRecord) -> None:
+        self.estimates.observe(record)
+
+
+@dataclass
+class Auto:
+    """Method auto's planner. While a cost it needs is unknown it measures: a round of the fullest hierarchy
+    drafting one token, then, where level 2's forwards chain when it drafts alone (`chained`) and a level-2 step is
+    cheap enough for that to pay, a round of level 2 drafting alone, then an autoregressive step (unless the full
+    cache is `streamed` from host memory: a step then costs what its copies do however few rows it verifies, so the
+    verification measured stands for it). Then, once a plan has run MIN_ROUNDS rounds (or SETTLE_MS of decoding) and
+    weigh_every_ms have passed since it was last weighed, it weighs every candidate again and switches when another
+    is expected SWITCH_GAIN times faster, at most MAX_SWITCHES times. A drafting plan is taken only when expected
+    SWITCH_GAIN times faster than autoregressive decoding. `drafters`: the level-1 drafters there, the first measured
+    first (the others in passing); `level2`: level 2's cache leaves part of the prompt out (else it reads what level
+    3 reads, for nothing); `ahead`: level 2 can draft the next round while level 3 verifies."""
+
+    estimates: Estimates
+    drafters: Sequence[str]
+    gamma1_max: int
+    gamma2_max: int
+    streamed: bool = False
+    level2: bool = True
+    ahead: bool = False
+    chained: bool = False
+    caution: float = CAUTION
+    in_passing: bool = True
+    current: Hierarchy | None = None
+    reason: str = ""  # why the current plan was chosen
+    rounds: int = 0  # of the current plan
+    switches: int = 0
+    since_weighed_ms: float = 0.0
+    weigh_every_ms: float = WEIGH_EVERY_MS
+    expected: float | None = None  # the current plan's expected rate when it was last weighed
+    options: list[Hierarchy] = field(init=False)
+
+    def __post_init__(self):
+        self.options = candidates(self.drafters, self.gamma1_max, self.gamma2_max, self.level2, self.ahead)
+        for name in self.drafters:
+            self.estimates.drafter(name)
+
+    def choose(self) -> Hierarchy:
+        """The next round's hierarchy; under tensor parallelism every rank takes rank 0's (timings differ)."""
+        h = self._choose()
+        names = ["", *self.drafters]
+        mine = (names.index(h.level1), h.level2, h.gamma1, h.gamma2, h.ahead)
+        if (agreed := agree(*mine)) != mine:
+            h = Hierarchy(names[agreed[0]], bool(agreed[1]), agreed[2], agreed[3], bool(agreed[4]))
+        return h
+
+    def observe(self, record: RoundRecord) -> None:
+        self.rounds += 1
+        self.since_weighed_ms += record.ms
+        self.estimates.observe(record)
+
+    def figures(self, caution: float | None = None) -> Figures:
+        return self.estimates.figures(self.caution if caution is None else caution)
+
+    def _choose(self) -> Hierarchy:
+        if self.current is not None and not self.measuring and not self._due():
+            return self.current  # most rounds: nothing to decide
+        if self.options == [AUTOREGRESSIVE]:
+            return self._set(AUTOREGRESSIVE, "no level can draft: the retrieval budget covers the whole prompt "
+                                             "(level 2 would read what level 3 reads) and no level-1 drafter is there")
+        if (unknown := self._unmeasured()) is not None:
+            return self._set(*unknown)
+        fresh = self.current is None or self.measuring
+        self.since_weighed_ms = 0.0
+        f = self.figures()
+        h, r = best(self.options, f)
+        ar = rate(AUTOREGRESSIVE, f) or 0.0
+        # a drafting plan must clearly beat AR to be taken; out of switches, only a way back to AR is left
+        if (h.gamma2 and r < SWITCH_GAIN * ar) or (not fresh and self.switches >= MAX_SWITCHES):
+            h, r = AUTOREGRESSIVE, ar
+        now = rate(self.current, f) if self.current else None
+        # another plan must be clearly faster to replace the current one, unless the current one is now expected
+        # slower than autoregressive decoding (which the planner never knowingly stays with)
+        if fresh or now is None or (h != self.current and (r > SWITCH_GAIN * now or now < ar)):
+            self.weigh_every_ms, self.expected = WEIGH_EVERY_MS, r
+            return self._set(h, self.explain(h))
+        # kept: weighed again later while it stays the best, soon while another comes close
+        self.weigh_every_ms = min(2 * self.weigh_every_ms, WEIGH_MOST_MS) if h == self.current else WEIGH_EVERY_MS
+        self.expected = now
+        return self.current
+
+    @property
+    def measuring(self) -> bool:
+        return self.reason.startswith("measuring")
+
+    def _unmeasured(self) -> tuple[Hierarchy, str] | None:
+        """The measuring round due, and why; None once every cost the plans need is known. The first drafts one
+        token through every level (each token more would be drafted at costs not yet known)."""
+        e, first = self.estimates, self.drafters[0] if self.drafters else ""
+        level3 = e.line("level3")
+        if (self.level2 and e.line("level2" if first else "chained") is None) or \
+                (first and e.drafter(first).ms is None) or level3 is None or level3.largest < 2:
+            return Hierarchy(first, self.level2, self.gamma1_max if first and self.level2 else 0, 1,
+                             self.ahead and self.level2), "measuring what each level costs"
+        # Level 2 drafting alone chains its forwards on the device: it is measured by the best plan that drafts alone,
+        # its forwards priced as looped ones until then (a bound), so the measuring round pays as a plan does. Where
+        # a level-2 step costs about a full one, no saving from chaining makes drafting alone pay.
+        if self.chained and first and self.level2 and not e.curves["chained"].measured and \
+                e.line("level2")(1) < CHAIN_WORTH * level3(1):
+            alone, _ = best([h for h in self.options if h.level2 and not h.level1], self.figures())
+            return alone, "measuring level 2 drafting alone"
+        if level3.one_row_saving is None and not self.streamed:
+            return AUTOREGRESSIVE, "measuring an autoregressive step"
+        return None
+
+    def _due(self) -> bool:
+        """Whether the current plan has run long enough to be weighed again: after weigh_every_ms of decoding, or as
+        soon as MIN_ROUNDS rounds show it falling short of what it was chosen for."""
+        spare = self.switches < MAX_SWITCHES
+        if self.rounds >= MIN_ROUNDS and self.current.gamma2 and self.expected:
+            f = self.figures()
+            now, ar = rate(self.current, f) or 0.0, rate(AUTOREGRESSIVE, f) or 0.0
+            if now < ar or (spare and SWITCH_GAIN * now < self.expected):
+                return True
+        settled = self.rounds >= MIN_ROUNDS or self.since_weighed_ms >= SETTLE_MS
+        return spare and settled and self.since_weighed_ms >= self.weigh_every_ms
+
+    def explain(self, h: Hierarchy) -> str:
+        """One line on why `h` was chosen: its expected speed over autoregressive decoding (at the acceptances seen;
+        the choice weighed them with caution) and the costs behind it, each step against a full one of as many
+        rows."""
+        f = self.figures(0.0)
+        ar, r = rate(AUTOREGRESSIVE, f), rate(h, f)
+        parts = [f"expected {r / ar:.2f}× autoregressive" if ar and r else ""]
+        d = f.drafters.get(h.level1 or (self.drafters[0] if self.drafters else ""))
+        rows = 1 + (h.gamma1 if h.level1 and h.level2 else 0)
+        step, beside = f.level2_step(rows, alone=not h.level1)
+        if step is not None and f.level3 is not None:
+            full = f.level3(rows)
+            more = f" ({beside(rows) / full:.0%} beside level 3's pass)" if h.ahead else ""
+            parts.append(f"a level-2 step of {rows} row{'s' if rows > 1 else ''} costs {step(rows) / full:.0%} of "
+                         f"a full one{more}")
+        if d is not None and d.ms is not None and f.level3 is not None:
+            parts.append(f"a level-1 token {d.ms / f.level3(1):.0%} of a full step")
+        if h.level1 and not h.level2:
+            parts.append(f"acceptance of level 1 at level 3 {d.a13:.2f}")
+        elif h.gamma2:
+            parts.append((f"acceptance L1 {d.a1:.2f}, " if h.level1 else "") + f"L2 {f.a2:.2f}")
+        return "; ".join(p for p in parts if p)
+
+    def _set(self, h: Hierarchy, reason: str) -> Hierarchy:
+        if h != self.current:
+            if self.current is not None and not self.measuring:
+                self.switches += 1
+            self.current, self.rounds = h, 0
+        self.reason = reason
+        return h
