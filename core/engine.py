@@ -204,10 +204,15 @@ class Engine:
             gc.collect()  # caches caught in reference cycles, then their graphs (held by weak reference)
             torch.cuda.empty_cache()
 
+    def plan(self, prompt_tokens: int, cfg: GenerationConfig) -> Plan:
+        """A run's memory plan, its settings resolved once here for the regime its caches fit (the paper's budget
+        and γ2 on chip and offloaded: GenerationConfig.resolved); the memory says where they live."""
+        return self.memory.plan(prompt_tokens, cfg.resolved, cfg.offload)
+
     def _events(self, prompt: Prompt, cfg: GenerationConfig, stop: threading.Event | None) -> Iterator[Event]:
         """One run: plan its memory, prefill the full cache, decode, then the figures."""
         ids, model = prompt.ids, self.target
-        plan = self.memory.plan(len(ids), cfg)
+        plan = self.plan(len(ids), cfg)
         cfg, cs = plan.cfg, plan.cfg.chunk_size
         yield PromptReady(prompt_tokens=len(ids), document_tokens=prompt.document_tokens,
                           dropped_tokens=prompt.dropped_tokens, context_length=self.context_length,

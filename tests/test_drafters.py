@@ -52,7 +52,7 @@ def test_method_auto_holds_prompt_lookup_beside_the_draft_model_and_shares_its_n
 
     def drafters(**settings) -> dict:
         cfg = GenerationConfig(**{**CFG, **settings}).validate()
-        return engine.drafters(engine.memory.plan(len(prompt), cfg), prompt, torch.Generator().manual_seed(0))
+        return engine.drafters(engine.plan(len(prompt), cfg), prompt, torch.Generator().manual_seed(0))
 
     both = drafters(method="auto", drafter="auto")
     assert list(both) == ["model", "ngram"] and both["ngram"] is both["model"].lookup

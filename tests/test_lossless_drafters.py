@@ -32,7 +32,7 @@ def test_reduced_draft_head_is_lossless(one_thread):
     kept = torch.tensor([0, 2, 3, 5, 7, 8])
     engine.draft.restrict_head(kept)
     cfg = GenerationConfig(**CFG, lookup_min=0).validate()  # (a copied continuation may lie outside the head)
-    drafter = engine.drafters(engine.memory.plan(len(prompt), cfg), prompt, torch.Generator(DEVICE).manual_seed(0))["model"]
+    drafter = engine.drafters(engine.plan(len(prompt), cfg), prompt, torch.Generator(DEVICE).manual_seed(0))["model"]
     outside = [i for i in range(VOCAB) if i not in kept.tolist()]
     with torch.no_grad():
         for _ in range(20):
@@ -52,7 +52,7 @@ def test_lookup_assisted_drafting_is_lossless(one_thread):
     """The model drafter copying prompt-lookup continuations (proposed with q one-hot) stays exact."""
     engine, prompt = tiny_engine()
     cfg = GenerationConfig(**CFG, lookup_min=2).validate()
-    drafter = engine.drafters(engine.memory.plan(len(prompt), cfg), prompt, torch.Generator(DEVICE).manual_seed(0))["model"]
+    drafter = engine.drafters(engine.plan(len(prompt), cfg), prompt, torch.Generator(DEVICE).manual_seed(0))["model"]
     seq, copied = list(prompt), 0
     with torch.no_grad():
         for _ in range(10):  # accept every proposal: the text grows, some of its bigrams recur
@@ -103,7 +103,7 @@ def test_fused_drafting_gets_the_target_state_and_is_lossless(monkeypatch, one_t
             # (on a GPU, other kernels and TF32: 6e-3 seen; a state from the wrong position is off by O(1))
             tol = 1e-4 if DEVICE == "cpu" else 3e-2
             torch.testing.assert_close(feature, want, atol=tol, rtol=tol)
-        drafter = engine.drafters(engine.memory.plan(len(prompt), GenerationConfig(**CFG, lookup_min=0)), prompt,
+        drafter = engine.drafters(engine.plan(len(prompt), GenerationConfig(**CFG, lookup_min=0)), prompt,
                                   torch.Generator(DEVICE).manual_seed(0))["model"]
         plain = drafter.propose(prompt, 1, len(prompt) - 1).q
         fused = drafter.propose(prompt, 1, len(prompt) - 1, feature=calls[1][1]).q

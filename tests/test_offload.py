@@ -187,7 +187,7 @@ def test_placement_offloads_only_beyond_the_device_limit(monkeypatch):
     cfg, prompt = GenerationConfig(method="triforce"), 490_000
 
     def plan(limit: int, config: GenerationConfig = cfg):
-        return Memory(model, None, limit).plan(prompt, config)
+        return Memory(model, None, limit).plan(prompt, config.resolved, config.offload)
 
     roomy = plan(8 * GiB)
     full = roomy.sizes.full * 4096

@@ -174,21 +174,23 @@ class Memory:
         self.kept: Prefilled | None = None  # the full cache the last run filled
         self.pool = CachePool()  # retrieval and level-1 caches of the last run
 
-    def plan(self, prompt_tokens: int, cfg: GenerationConfig) -> Plan:
-        """Sizes and placement for a run over `prompt_tokens`, with its settings resolved; raises TriForceError when
-        the run fits neither on the device nor with its full cache offloaded, or the host lacks the memory."""
-        on_chip = self._parts(prompt_tokens, cfg, offloaded=False)
+    def plan(self, prompt_tokens: int, settings: Callable[[bool], GenerationConfig], offload: str = "auto") -> Plan:
+        """Sizes and placement for a run over `prompt_tokens`: on the device where it fits (or where `offload` says),
+        else with its full cache offloaded, each regime with the settings `settings(offloaded)` resolved for it (the
+        engine resolves them); raises TriForceError when the run fits neither on the device nor with its full cache
+        offloaded, or the host lacks the memory."""
+        on_chip = self._parts(prompt_tokens, settings(False), offloaded=False)
         if self.limit is None:  # a CPU run: "on" exercises the streaming code, "auto" never offloads
-            return on_chip if cfg.offload != "on" else self._parts(prompt_tokens, cfg, offloaded=True)
+            return on_chip if offload != "on" else self._parts(prompt_tokens, settings(True), offloaded=True)
         need = sum(on_chip.placement.device.values())
-        if cfg.offload == "off" or (cfg.offload == "auto" and need <= self.limit):
+        if offload == "off" or (offload == "auto" and need <= self.limit):
             if need > self.limit:
                 raise TriForceError(f"the run needs {need / GiB:.1f} GiB of GPU memory "
                                     f"({_listing(on_chip.placement.device)}) but the limit is "
                                     f"{self.limit / GiB:.1f} GiB: allow offloading (offload auto or on), shorten the "
                                     "document or lower the budget")
             return on_chip
-        plan = self._parts(prompt_tokens, cfg, offloaded=True)
+        plan = self._parts(prompt_tokens, settings(True), offloaded=True)
         device, host = plan.placement.device, plan.placement.host
         if sum(device.values()) > self.limit:  # the index then stays in host memory, fetched a layer at a time
             host["chunk index"] = device.pop("chunk index")
@@ -204,9 +206,8 @@ class Memory:
                                 f"({_listing(host)}) but {available / GiB:.1f} GiB are available: shorten the document")
         return plan
 
-    def _parts(self, prompt_tokens: int, cfg: GenerationConfig, offloaded: bool) -> Plan:
-        """The plan of one regime, every cache on the device but an offloaded full cache."""
-        c = cfg.resolved(offloaded)
+    def _parts(self, prompt_tokens: int, c: GenerationConfig, offloaded: bool) -> Plan:
+        """The plan of one regime (`c` resolved for it), every cache on the device but an offloaded full cache."""
         sizes = Sizes.of(prompt_tokens, c)
         token = kv_bytes_per_token(self.target)
         device = {"weights": self.weights, "working memory": working_bytes(self.limit)}
