@@ -21,7 +21,7 @@ from core.io.prompting import document_fit
 
 from app.documents import DocumentError, load_samples, read_document
 from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap
-from app.explainer import engine_table
+from app.explainer import CPU_NOTE, engine_table
 from app.inference import (ModelLoadError, OutOfTime, counting_engine, load_engine, loaded_infos, preset_engine,
                            stream_events)
 from app.presets import PRESET_SETTINGS, Preset, panel_overrides, preset_by_name
@@ -29,14 +29,13 @@ from app.refusals import quote, quoted_in, refuse
 from app.service import Deadline, keep_upload, out_of_time_line, run_seconds
 from app.settings import build_config, parse, widget_args
 from app.state import RunState, apply_event, budget_share, live_stats, raw_data
-from app.views import (answer_html, document_html, plan_line, stats_for, stats_markdown, status_markdown,
-                       timeline_html)
+from app.views import (COMPARE_METHODS, METHOD_NAMES, SHORT_NAMES, answer_html, document_html, plan_line,
+                       run_heading, run_label, stats_for, stats_markdown, status_markdown, timeline_html)
 
 PLOT_INTERVAL_S = 0.25  # heatmap and document view: at most 4 updates per second
 TEXT_INTERVAL_S = 0.1  # answer, stats and status: at most 10 updates per second
 GENERIC_INSTRUCTIONS = ("Summarise the document in a few sentences.", "Continue the text.")
-METHOD_NAMES = {"auto": "Method auto (the planner picks the levels)", "triforce": "TriForce (levels 1 → 2 → 3)",
-                "ar": "Autoregressive"}
+TRIFORCE_TAB_METHOD = "triforce"  # the TriForce tab shows the three levels unless the visitor picks method auto
 RAW_DIR = Path(tempfile.gettempdir()) / "triforce-studio"  # the Raw stats downloads (Gradio serves a copy)
 RAW_FILES_KEPT = 16
 
@@ -76,6 +75,12 @@ def upload_document(path: str | None, request: gr.Request) -> str:
         raise refuse(str(err), "Cannot use this file") from None
     finally:
         keep_upload(request.session_hash, path)
+
+
+def leave_sample() -> tuple[None, gr.Dataset, str]:
+    """After an upload: no sample selected, and the instruction and its examples generic ones (a sample's questions
+    are about that sample)."""
+    return None, gr.Dataset(samples=[[i] for i in GENERIC_INSTRUCTIONS]), GENERIC_INSTRUCTIONS[0]
 
 
 def pick_instruction(sample: list[str] | str) -> str:
@@ -200,14 +205,9 @@ def _stream(preset: Preset, document: str, instruction: str, config: GenerationC
         raise refuse(f"Generation failed: {type(err).__name__}: {err}", "Generation failed") from None
 
 
-def method_heading(method: str) -> str:
-    """The heading of the Compare column of the method picked."""
-    return f"**{METHOD_NAMES.get(method, method)}**"
-
-
 def _method(values: Mapping[str, Any]) -> str:
-    """The decoding method picked (auto unless the visitor chose another)."""
-    return values.get("method") or GenerationConfig.method
+    """The decoding method picked on the TriForce tab (TRIFORCE_TAB_METHOD unless the visitor chose another)."""
+    return values.get("method") or TRIFORCE_TAB_METHOD
 
 
 def raw_stats_file(state: RunState) -> str:
@@ -221,7 +221,7 @@ def raw_stats_file(state: RunState) -> str:
 
 
 def run_triforce(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-    """Stream one generation (the method picked: auto or TriForce) from the panel's values by name: frames of
+    """Stream one generation (the method picked: TriForce or auto) from the panel's values by name: frames of
     status, answer, heatmap, document view, timeline, stats, per-level costs and run state; the full data as a
     download once it has finished."""
     config = _settings(_method(values), values)
@@ -277,85 +277,91 @@ def stopped() -> str:
     return "⏹️ Stopped. Change anything you like and run again."
 
 
-def comparison_summary(ar: RunState, tf: RunState, greedy: bool) -> tuple[str, dict]:
-    """Speedup, what method auto's planner chose and why, and (with greedy decoding) the token-identity check, as
-    Markdown and as a dict."""
-    ar_stats, tf_stats = live_stats(ar), live_stats(tf)
-    speedup = (tf_stats["tokens_per_s"] / ar_stats["tokens_per_s"]
-               if ar_stats.get("tokens_per_s") and tf_stats.get("tokens_per_s") else None)
-    identical, differs_at = None, None
-    lines = [f"### Speedup (decode tokens/s): {speedup:.2f}×" if speedup else "### Speedup: —"]
-    if plan := plan_line(tf):
+def comparison_summary(runs: Mapping[str, RunState], greedy: bool) -> tuple[str, dict]:
+    """Each drafting run's decode speed against autoregressive decoding's, what method auto's planner chose and why,
+    and (with greedy decoding) whether each run's tokens are the autoregressive run's, as Markdown and as a dict."""
+    ar = runs["ar"]
+    stats = {method: live_stats(state) for method, state in runs.items()}
+    base = stats["ar"].get("tokens_per_s")
+    speedups = {method: s["tokens_per_s"] / base if base and s.get("tokens_per_s") else None
+                for method, s in stats.items() if method != "ar"}
+    parts = [f"{SHORT_NAMES[method]} **{speedup:.2f}×**" for method, speedup in speedups.items() if speedup]
+    lines = ["### Decode speed against autoregressive: " + (" · ".join(parts) if parts else "—")]
+    if "auto" in runs and (plan := plan_line(runs["auto"])):
         lines.append(plan)
-    if greedy and ar.finished and tf.finished:
-        differs_at = first_difference(ar.token_ids, tf.token_ids)
-        identical = differs_at is None
-        note = difference_note(ar.token_ids, tf.token_ids, ar.final_stats.near_ties)
-        lines.append(f"✅ **Token-identical**: both produced the same {len(tf.token_ids)} tokens (greedy)." if identical
-                     else f"❌ **Not token-identical**: {note}.")
+    identical: dict[str, bool | None] = dict.fromkeys(speedups)
+    differs_at: dict[str, int | None] = dict.fromkeys(speedups)
+    if greedy and all(state.finished for state in runs.values()):
+        for method in speedups:
+            differs_at[method] = first_difference(ar.token_ids, runs[method].token_ids)
+            identical[method] = differs_at[method] is None
+        if all(identical.values()):
+            lines.append(f"✅ **Token-identical**: every run produced the same {len(ar.token_ids)} tokens (greedy).")
+        for method in (m for m, same in identical.items() if not same):
+            note = difference_note(ar.token_ids, runs[method].token_ids, ar.final_stats.near_ties)
+            lines.append(f"❌ **{METHOD_NAMES[method]}: not token-identical**: {note}.")
     elif not greedy:
-        lines.append("Sampling is on: outputs may differ token by token (both follow the target's distribution). "
+        lines.append("Sampling is on: outputs may differ token by token (each follows the target's distribution). "
                      "Tick *Greedy* for a token-identity check.")
-    if tf_stats.get("prefill_reused"):
-        lines.append("Prefill and time to first token are apart from decode speed: the second run reused the cache "
-                     "the autoregressive run prefilled for the same prompt.")
-    device = " · ".join(v for v in (tf_stats.get("device") or ar_stats.get("device"),
-                                    tf_stats.get("dtype") or ar_stats.get("dtype")) if v)
+    if any(s.get("prefill_reused") for s in stats.values()):
+        lines.append("Prefill and time to first token are apart from decode speed: the runs after the first reused "
+                     "the cache it prefilled for the same prompt.")
+    ran_on = next((s for s in stats.values() if s.get("device")), {})
+    device = " · ".join(v for v in (ran_on.get("device"), ran_on.get("dtype")) if v)
     if device:
-        lines.append(f"Ran on **{device}**.")
-    summary = {"ar": ar_stats, "triforce": tf_stats, "method": tf.method, "speedup": speedup, "greedy": greedy,
-               "identical": identical, "first_difference": differs_at, "device": device}
+        lines.append(f"Ran on **{device}**." + (f" {CPU_NOTE}" if device.startswith("cpu") else ""))
+    summary = {"runs": {method: {"ran": run_label(state), **stats[method]} for method, state in runs.items()},
+               "speedup": speedups, "greedy": greedy, "identical": identical, "first_difference": differs_at,
+               "device": device}
     return "\n\n".join(lines), summary
 
 
-COMPARE_OUTPUTS = ("compare_status", "ar_answer", "tf_head", "tf_answer", "ar_stats", "tf_stats", "bars", "verdict",
-                   "compare_json", "tf_timeline", "compare_costs", "compare_state")
+COMPARE_OUTPUTS = ("compare_status", "verdict", "bars", "compare_costs", "compare_json", "compare_state",
+                   *(f"{method}_{part}" for method in COMPARE_METHODS for part in ("head", "answer", "stats")),
+                   *(f"{method}_timeline" for method in COMPARE_METHODS if method != "ar"))
 
 
 def run_compare(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-    """Autoregressive decoding then the method picked (auto or TriForce) on the same input and seed, streamed side
-    by side, by output name (COMPARE_OUTPUTS)."""
-    method = _method(values)
-    if method == "ar":
-        raise refuse("Compare runs autoregressive decoding beside method auto or triforce; pick one of those.",
-                     "Invalid settings")
-    configs = {"ar": _settings("ar", values), method: _settings(method, values)}
+    """Autoregressive decoding, TriForce and method auto, one after the other on the same input and seed, streamed
+    side by side, by output name (COMPARE_OUTPUTS); each column's heading and bar say what actually ran."""
+    configs = {method: _settings(method, values) for method in COMPARE_METHODS}
     chosen, document, instruction = _prepare(values)
     configs = dict(zip(configs, _on_device(chosen, *configs.values())))
     deadline = Deadline(run_seconds())  # one bound for the job, from here: its runs hold the one device in turn
-    runs = {"ar": RunState(method="ar"), method: RunState(method=method)}
+    runs = {method: RunState(method=method) for method in COMPARE_METHODS}
     gate = Throttle(TEXT_INTERVAL_S)
     is_greedy = configs["ar"].is_greedy
 
     def frame(note: str, with_plot: bool = True, with_costs: bool = False) -> dict[str, Any]:
-        """All Compare outputs for the current progress; charts, timeline and verdict only when `with_plot`, the
-        per-level costs (known once both runs finished) only `with_costs`."""
-        ar, tf = runs["ar"], runs[method]
-        ar_stats, tf_stats = live_stats(ar), live_stats(tf)
-        out = {"compare_status": note, "ar_answer": answer_html(ar), "tf_head": method_heading(method),
-               "tf_answer": answer_html(tf), "ar_stats": stats_markdown(ar_stats), "tf_stats": stats_markdown(tf_stats),
-               "compare_state": tf}
+        """All Compare outputs for the current progress; charts, timelines and verdict only when `with_plot`, the
+        per-level costs (known once the runs finished) only `with_costs`."""
+        stats = {method: live_stats(state) for method, state in runs.items()}
+        out: dict[str, Any] = {"compare_status": note, "compare_state": runs}
+        for method, state in runs.items():
+            out |= {f"{method}_head": run_heading(state), f"{method}_answer": answer_html(state),
+                    f"{method}_stats": stats_markdown(stats[method])}
         if with_plot:
-            verdict, summary = comparison_summary(ar, tf, is_greedy)
-            out |= {"bars": compare_bars(ar_stats, tf_stats), "tf_timeline": timeline_html(tf), "verdict": verdict,
-                    "compare_json": summary}
+            verdict, summary = comparison_summary(runs, is_greedy)
+            out |= {"bars": compare_bars([(m, run_label(state), stats[m]) for m, state in runs.items()]),
+                    "verdict": verdict, "compare_json": summary}
+            out |= {f"{method}_timeline": timeline_html(state) for method, state in runs.items() if method != "ar"}
         if with_costs:
-            out["compare_costs"] = cost_figure(tf_stats["levels"], tf_stats["tokens_per_target_forward"],
-                                               ar_stats["levels"])
+            out["compare_costs"] = cost_figure(stats["triforce"]["levels"],
+                                               stats["triforce"]["tokens_per_target_forward"], stats["ar"]["levels"])
         return out
 
     yield frame("⏳ Starting…", with_costs=True)
     plot_gate = Throttle(PLOT_INTERVAL_S)
-    for name in runs:
-        for event in _stream(chosen, document, instruction, configs[name], runs[name], deadline):
+    for method in runs:
+        for event in _stream(chosen, document, instruction, configs[method], runs[method], deadline):
             if isinstance(event, OutOfTime):
-                yield frame(f"{METHOD_NAMES[name]}: {out_of_time_line(deadline.seconds, len(runs[name].pieces))}")
+                yield frame(f"{METHOD_NAMES[method]}: {out_of_time_line(deadline.seconds, len(runs[method].pieces))}")
                 return
             now = time.monotonic()
             if gate.due(now, isinstance(event, Finished)):
-                yield frame(f"{METHOD_NAMES[name]}: {status_markdown(runs[name])}",
+                yield frame(f"{METHOD_NAMES[method]}: {status_markdown(runs[method])}",
                             plot_gate.due(now, isinstance(event, Finished)))
-    yield frame("✅ Both runs finished.", with_costs=True)
+    yield frame("✅ All three runs finished.", with_costs=True)
 
 
 def describe_engines() -> str:

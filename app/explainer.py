@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import platform
+import sys
+from pathlib import Path
 
 import gradio as gr
 
 from app.views import PROVENANCE, REJECTED
+
+# What a CPU visitor should expect, and why: said up front and beside Compare's figures.
+CPU_NOTE = ("On a CPU, expect TriForce to be about as fast as plain decoding, not faster: a 135M model's step is "
+            "dominated by reading its weights, so a step on a small cache saves little. TriForce pays where the KV "
+            "cache dominates a step: large models, long documents, GPUs, a cache offloaded to CPU memory.")
 
 EXPLANATION = f"""
 ## TriForce in three levels
@@ -43,8 +51,9 @@ each cache lives, and the stats give the bytes moved over the link per token.
 ## What the visuals show
 - **Answer:** plain text. *Colour by provenance* shows where each token came from: *{PROVENANCE['draft'][0]}*
   (proposed by level 1 and kept by both checks), *{PROVENANCE['copy'][0]}* (the same for a token level 1 copied from
-  earlier in the text), *{PROVENANCE['level2'][0]}* (sampled by level 2, kept by level 3) and
-  *{PROVENANCE['level3'][0]}*. The more green, the fewer expensive full-cache passes per token. *Show rejected
+  earlier in the text), *{PROVENANCE['level2'][0]}* (sampled by level 2, kept by level 3),
+  *{PROVENANCE['level3'][0]}* and *{PROVENANCE['target'][0]}* (a step that drafted nothing: plain decoding, or method
+  auto's autoregressive plan). The more green, the fewer expensive full-cache passes per token. *Show rejected
   drafts* adds, struck through where they were tried, the drafts a level turned down: *{REJECTED[(1, 2)][0]}* (with
   the proposals after it), *{REJECTED[(2, 3)][0]}* (level-2 tokens the full cache turned down) and, when the planner
   leaves level 2 out, *{REJECTED[(1, 3)][0]}*.
@@ -76,6 +85,36 @@ each cache lives, and the stats give the bytes moved over the link per token.
 """
 
 
+ROOT = Path(__file__).resolve().parent.parent  # this checkout: where the package `core` lives
+
+
+def literal(text: str) -> str:
+    """A Python string literal of `text`, in double quotes (JSON's escapes are Python's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def python_snippet(document: Path, question: str) -> str:
+    """Markdown: a script that asks `question` of `document` through the engine, runnable from a file saved anywhere
+    (it puts this checkout on Python's path) with the Python that runs this app."""
+    code = f"""import sys
+
+sys.path.insert(0, {literal(str(ROOT))})  # this checkout of TriForce Studio, where the package `core` lives
+
+from core import Engine
+from core.events import Finished, Tokens
+
+engine = Engine.load()  # the embedded SmolLM2-135M-Instruct; or a preset id, e.g. Engine.load("qwen2.5-coder-1.5b")
+document = open({literal(str(document))}, encoding="utf-8").read()
+settings = engine.settings(method="triforce", greedy=True)  # the preset's settings, these on top
+for event in engine.generate(document, {literal(question)}, settings):
+    if isinstance(event, Tokens):
+        print("".join(event.texts), end="", flush=True)
+    elif isinstance(event, Finished):
+        print(f"\\n{{event.stats.new_tokens}} tokens, {{event.stats.tokens_per_s:.1f}} tokens/s")"""
+    return (f"## From Python\nSave this anywhere as a `.py` file and run it with the Python that runs this app "
+            f"(`{sys.executable}`):\n\n```python\n{code}\n```")
+
+
 def engine_table(infos: list[dict]) -> str:
     """Markdown table of every loaded engine's models, device, dtype, context and library versions."""
     if not infos:
@@ -86,6 +125,8 @@ def engine_table(infos: list[dict]) -> str:
                 ("device", info.get("device")), ("dtype", info.get("dtype")),
                 ("context length", f"{info.get('context_length', 0):,}")]
         rows += [(name, version) for name, version in (info.get("versions") or {}).items()]
-        blocks.append("| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows))
+        # the target heads its table: a Markdown table needs a header row, and an empty one shows as a blank bar
+        (head, model), *rest = rows
+        blocks.append(f"| {head} | {model} |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rest))
     blocks.append(f"Gradio {gr.__version__} · Python {platform.python_version()}")
     return "\n\n".join(blocks)

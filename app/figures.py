@@ -16,6 +16,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from app.state import RunState, bin_max, compact_dtype
+from app.views import plural
 
 MAX_ROWS = 96  # decoding steps shown: about what the heatmap's height shows; the download has every selection
 HEATMAP_MODES = ("auto", "per decoding step", "per layer")
@@ -80,6 +81,12 @@ def column_labels(state: RunState) -> list[str]:
     return labels
 
 
+def count_step(top: int, ticks: int = 6) -> int:
+    """A tick step for an axis of counts 0..top: the least of 1, 2, 5, 10, 20, ... giving at most `ticks` steps (whole
+    numbers only: a count is never 0.5)."""
+    return next(step for step in (m * 10**e for e in range(19) for m in (1, 2, 5)) if top <= ticks * step)
+
+
 def pick_rows(n: int, max_rows: int = MAX_ROWS) -> np.ndarray:
     """Indices of at most max_rows evenly spaced rows out of n, always including the last one."""
     if n <= max_rows:
@@ -91,7 +98,8 @@ def _heatmap(z: np.ndarray, labels: list[str], y: list, y_title: str, zmax: int,
              hover_what: str) -> go.Figure:
     """A chunk heatmap with token-position ticks on x."""
     heatmap = {"type": "heatmap", "z": z, "x": labels, "y": y, "zmin": 0, "zmax": max(zmax, 1),
-               "colorscale": "Viridis", "colorbar": {"title": {"text": hover_what, "side": "right"}, "thickness": 12},
+               "colorscale": "Viridis", "colorbar": {"title": {"text": hover_what, "side": "right"}, "thickness": 12,
+                                                     "tick0": 0, "dtick": count_step(zmax), "tickformat": "d"},
                "hovertemplate": "%{x}<br>" + y_title + " %{y}<br>" + hover_what + ": %{z}<extra></extra>"}
     step = max(1, len(labels) // 8)
     ticks = [lab.split(" · ")[1].split("–")[0].replace("tokens ", "tok ") for lab in labels[::step]]
@@ -134,32 +142,41 @@ def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figur
     else:
         z, y = state.selection_columns[-1][None, :], [state.selection_rounds[-1]]
     z = z.astype(compact_dtype(state.max_count), copy=False)
-    title = f"Per decoding step: {selections} selections<br><sup>layer×heads keeping each chunk · {cache}</sup>"
+    title = f"Per decoding step: {plural(selections, 'selection')}<br><sup>layer×heads keeping each chunk · " \
+        f"{cache}</sup>"
     return _heatmap(z, labels, y, "decoding step", state.max_count, title, "layer×heads")
 
 
-def compare_bars(ar: dict | None, tf: dict | None) -> go.Figure:
-    """Bars of decode speed (tokens/s, ms per token) apart from prefill and time to first token, autoregressive vs
-    TriForce, titled with the device and dtype they ran on."""
+RUN_COLOURS = {"ar": "#9ca3af", "triforce": "#2563eb", "auto": "#7c3aed"}  # a Compare run's bars, by method
+
+
+def compare_bars(runs: Sequence[tuple[str, str, dict | None]]) -> go.Figure:
+    """Bars of decode speed (tokens/s, ms per token) apart from prefill and time to first token, one bar per run
+    (method, the label saying what ran, its stats), titled with the device and dtype they ran on."""
     metrics = (("decode: tokens/s", "tokens_per_s", 1.0), ("decode: ms per token", "tokens_per_s", None),
                ("prefill (s)", "prefill_s", 1.0), ("time to first token (s)", "time_to_first_token_s", 1.0))
     data = []
-    for name, stats, colour in (("autoregressive", ar, "#9ca3af"), ("TriForce", tf, "#2563eb")):
+    for method, name, stats in runs:
+        stats = stats or {}
         values = []
         for _, key, scale in metrics:
-            raw = (stats or {}).get(key)
+            raw = stats.get(key)
             if raw is None or raw == 0:
                 values.append(None)
             else:
                 values.append(raw * scale if scale is not None else 1000.0 / raw)
         for col, value in enumerate(values, start=1):
-            reused = col == 3 and (stats or {}).get("prefill_reused")
+            reused = col == 3 and stats.get("prefill_reused")
             text = "" if value is None else short(value) + (" (cache reused)" if reused else "")
-            data.append({"type": "bar", "x": [name], "y": [value], "name": name, "marker": {"color": colour},
-                         "showlegend": col == 1, "text": [text], "textposition": "auto", **_axes(col)})
-    device = " · ".join(v for v in ((tf or {}).get("device"), (tf or {}).get("dtype")) if v)
-    return _figure(data, "Autoregressive vs TriForce (same input and seed" + (f", on {device})" if device else ")"),
-                   320, _grid(tuple(m[0] for m in metrics)))
+            data.append({"type": "bar", "x": [name], "y": [value], "name": name,
+                         "marker": {"color": RUN_COLOURS.get(method, "#64748b")}, "showlegend": col == 1,
+                         "text": [text], "textposition": "auto", **_axes(col)})
+    ran_on = next((stats for _, _, stats in runs if stats and stats.get("device")), {})
+    device = " · ".join(v for v in (ran_on.get("device"), ran_on.get("dtype")) if v)
+    layout = _grid(tuple(m[0] for m in metrics))
+    for name in [key for key in layout if key.startswith("xaxis")]:
+        layout[name] |= {"showticklabels": False}  # the legend names the bars
+    return _figure(data, "Same input and seed" + (f", on {device}" if device else ""), 320, layout)
 
 
 LEVEL_COLORS = {"level1": "#22c55e", "level2": "#f59e0b", "level3": "#ef4444", "selection": "#a78bfa",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -11,19 +13,24 @@ from gradio.data_classes import FileData
 from pydantic import ValidationError
 from starlette.middleware import Middleware
 
+from core.io.loading import default_device
+
 from app import callbacks
-from app.documents import MAX_UPLOAD_BYTES, SUPPORTED_SUFFIXES, load_samples
-from app.explainer import EXPLANATION
+from app.documents import MAX_UPLOAD_BYTES, SAMPLES_DIR, SUPPORTED_SUFFIXES, Sample, load_samples
+from app.explainer import CPU_NOTE, EXPLANATION, python_snippet
 from app.figures import HEATMAP_MODES, cost_figure, empty_figure
+from app.inference import ZERO_GPU
 from app.presets import PRESET_SETTINGS, all_presets, default_preset, panel_overrides
 from app.service import UploadBudget, serve
 from app.settings import build_panel, method_widget, widget_args
 from app.state import RunState
-from app.views import answer_html, document_html, overlay_css
+from app.views import COLOURS, COMPARE_METHODS, METHOD_NAMES, answer_html, document_html, overlay_css
 
 UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
 UPLOAD_READERS = 4  # uploads read at once (a PDF or an HTML page each in a child process within app.reader's limits)
-QUICK_SETTINGS = ("greedy", "max_new_tokens")  # beside the model and the method, above the tabs: what a visitor changes
+QUICK_SETTINGS = ("greedy", "max_new_tokens")  # beside the model, above the tabs: what a visitor changes for every run
+DOCUMENT_LINES = 4  # the document box's height: with the question, the method and Run in view at 1440×900
+DOCUMENT_LABEL = "Document (paste, edit or upload)"
 GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
 CSS = """
 .tl {font-size: 0.8rem; max-height: 16rem; overflow-y: auto}
@@ -34,15 +41,14 @@ CSS = """
 .tl i {display: inline-block; width: 6px; height: 9px; border-radius: 1px; vertical-align: middle}
 .tl s {display: inline-block; width: 3px}
 .tl .ok {background: #22c55e} .tl .no {background: #374151} .tl .skip {background: #d1d5db}
-.tl .l2 {background: #f59e0b} .tl .l3 {background: #ef4444}
 .tl .tl-plan {font-weight: 600; color: #4f46e5} .tl .tl-ar {color: var(--body-text-color-subdued)}
-""" + overlay_css()
-HEADER = """# TriForce Studio
-Hierarchical speculative decoding for long documents
-([TriForce, arXiv 2404.11912](https://arxiv.org/abs/2404.11912)): a tiny drafter → the target model on a small
-retrieval cache → the target on its full cache, every draft checked exactly. Pick a document, ask something, and
-watch which parts of the document the retrieval cache keeps while the answer streams; *Compare* runs plain
-autoregressive decoding beside it."""
+input[role="combobox"] {padding-right: 32px; text-overflow: ellipsis}
+#cpu-note {font-size: 0.9rem; color: var(--body-text-color-subdued)}
+""" + f".tl .l2 {{background: {COLOURS['level2']}}} .tl .l3 {{background: {COLOURS['level3']}}}\n" + overlay_css()
+HEADER = """## TriForce Studio
+Hierarchical speculative decoding for long documents ([TriForce](https://arxiv.org/abs/2404.11912)): a tiny drafter →
+the target on a retrieval cache → the target on its full cache, each draft checked exactly."""
+READY = "Pick a document, ask, and press **Run**: the answer streams here, beside what the retrieval cache keeps."
 
 
 class UploadPayload(FileData):
@@ -82,20 +88,35 @@ def by_name(fn: Callable[[Mapping[str, Any]], Iterator[dict[str, Any]]],
     return handler
 
 
+def default_sample(samples: list[Sample], samples_dir: Path = SAMPLES_DIR) -> Sample | None:
+    """The sample samples.json names as the first one shown ("default"), else the first listed; None without any."""
+    try:
+        name = json.loads((samples_dir / "samples.json").read_text(encoding="utf-8")).get("default")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    return next((s for s in samples if s.path.name == name), samples[0] if samples else None)
+
+
+def on_cpu() -> bool:
+    """Whether runs here decode on a CPU: no CUDA device, and not a ZeroGPU Space (which lends one per request)."""
+    return default_device().type == "cpu" and not ZERO_GPU
+
+
 def build_demo() -> gr.Blocks:
     """Build the whole app; nothing is loaded or run until a user acts."""
     samples = load_samples()
-    first = min(samples, key=lambda s: s.path.stat().st_size, default=None)  # the shortest: a quick first run on CPU
+    first = default_sample(samples)
     first_instructions = list(first.instructions) if first and first.instructions else \
         list(callbacks.GENERIC_INSTRUCTIONS)
     preset = default_preset()
     values, notes = panel_overrides(preset)
     with gr.Blocks(title="TriForce Studio", delete_cache=UPLOAD_CACHE) as demo:
         gr.Markdown(HEADER)
+        if on_cpu():
+            gr.Markdown(f"💡 {CPU_NOTE} *Compare* times them side by side.", elem_id="cpu-note")
         with gr.Row(elem_id="quick-settings", equal_height=True):
             preset_name = gr.Dropdown([p.name for p in all_presets()], value=preset.name, label="Model preset",
-                                      elem_id="preset", scale=2)
-            method = method_widget()
+                                      elem_id="preset", scale=3)
             quick = {name: kind(**kwargs) for name in QUICK_SETTINGS
                      for kind, kwargs in [widget_args(name, values.get(name, dataclasses.MISSING),
                                                       notes.get(name, ""))]}
@@ -103,26 +124,26 @@ def build_demo() -> gr.Blocks:
             with gr.Tab("TriForce", id="triforce"):
                 with gr.Row():
                     with gr.Column(scale=2, min_width=340):
-                        sample = gr.Dropdown([s.title for s in samples], value=first.title if first else None,
-                                             label="Sample document", elem_id="sample")
-                        upload = gr.File(label="…or upload a text, source-code, data, HTML or PDF file",
-                                         file_types=list(SUPPORTED_SUFFIXES),
-                                         type="filepath", elem_id="upload")
+                        with gr.Row(equal_height=True):
+                            sample = gr.Dropdown([s.title for s in samples], value=first.title if first else None,
+                                                 label="Sample document", elem_id="sample", scale=3)
+                            upload = gr.UploadButton("📄 Upload a file", file_types=list(SUPPORTED_SUFFIXES),
+                                                     type="filepath", elem_id="upload", scale=1, min_width=120,
+                                                     size="md")
                         upload.data_model = UploadPayload
-                        document = gr.Textbox(first.read() if first else "", label="Document (paste or edit)",
-                                              lines=8, max_lines=8, elem_id="document")
-                        doc_info = gr.Markdown(elem_id="doc-info")
+                        document = gr.Textbox(first.read() if first else "", label=DOCUMENT_LABEL,
+                                              lines=DOCUMENT_LINES, max_lines=DOCUMENT_LINES, elem_id="document")
                         instruction = gr.Textbox(first_instructions[0], label="Instruction", lines=2,
                                                  elem_id="instruction")
-                        examples = gr.Dataset(components=[instruction], samples=[[i] for i in first_instructions],
-                                              label="Example instructions", type="values")
-                        with gr.Accordion("More settings", open=False, elem_id="settings"):
-                            panel = build_panel(values, notes, skip=QUICK_SETTINGS)
+                        method = method_widget(callbacks.TRIFORCE_TAB_METHOD)
                         with gr.Row():
                             run = gr.Button("Run", variant="primary", elem_id="run")
                             stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                        examples = gr.Dataset(components=[instruction], samples=[[i] for i in first_instructions],
+                                              label="Example instructions", type="values", elem_id="examples")
+                        doc_info = gr.Markdown(elem_id="doc-info")
                     with gr.Column(scale=3, min_width=420):
-                        status = gr.Markdown("Ready.", elem_id="status")
+                        status = gr.Markdown(READY, elem_id="status")
                         answer = gr.HTML(answer_html(None), label="Answer", elem_id="answer")
                         with gr.Row():
                             gr.Checkbox(False, label="Colour by provenance", elem_id="colour-answer", container=False)
@@ -144,44 +165,51 @@ def build_demo() -> gr.Blocks:
                                                           elem_id="raw-stats", size="sm")
                 run_state = gr.State()
             with gr.Tab("Compare", id="compare"):
-                gr.Markdown("Runs plain **autoregressive** decoding and then the method picked above on the "
-                            "document and instruction of the first tab, with the same seed, on the same device. "
-                            "With *Greedy* both must produce the same tokens.")
+                gr.Markdown("Where speed is judged: plain **autoregressive** decoding, **TriForce** (levels 1 → 2 → 3) "
+                            "and **method auto** run one after the other on the document and instruction of the "
+                            "first tab, with the same seed, on the same device; each heading says what ran. With "
+                            "*Greedy* all three must produce the same tokens.")
                 with gr.Row():
                     compare_run = gr.Button("Run comparison", variant="primary", elem_id="compare-run")
                     compare_stop = gr.Button("Stop", variant="stop", elem_id="compare-stop")
                 compare_status = gr.Markdown(elem_id="compare-status")
                 verdict = gr.Markdown(elem_id="verdict")
                 with gr.Row():
-                    with gr.Column():
-                        gr.Markdown("**Autoregressive**")
-                        ar_answer = gr.HTML(answer_html(None), elem_id="compare-ar")
-                        ar_stats = gr.Markdown(elem_id="compare-ar-stats")
-                    with gr.Column():
-                        tf_head = gr.Markdown(callbacks.method_heading(method.value))
-                        tf_answer = gr.HTML(answer_html(None), elem_id="compare-tf")
-                        with gr.Row():
-                            gr.Checkbox(False, label="Colour by provenance", elem_id="colour-compare",
-                                        container=False)
-                            gr.Checkbox(False, label="Show rejected drafts", elem_id="compare-show-rejected",
-                                        container=False)
-                        tf_timeline = gr.HTML(elem_id="compare-timeline")
-                        tf_stats = gr.Markdown(elem_id="compare-tf-stats")
+                    gr.Checkbox(False, label="Colour by provenance", elem_id="colour-compare", container=False)
+                    gr.Checkbox(False, label="Show rejected drafts", elem_id="compare-show-rejected",
+                                container=False)
+                columns: dict[str, gr.Component] = {}
+                with gr.Row():
+                    for name in COMPARE_METHODS:
+                        with gr.Column(min_width=300):
+                            columns[f"{name}_head"] = gr.Markdown(f"**{METHOD_NAMES[name]}**",
+                                                                  elem_id=f"compare-{name}-head")
+                            columns[f"{name}_answer"] = gr.HTML(answer_html(None), elem_id=f"compare-{name}")
+                            if name != "ar":
+                                columns[f"{name}_timeline"] = gr.HTML(elem_id=f"compare-{name}-timeline")
+                            columns[f"{name}_stats"] = gr.Markdown(elem_id=f"compare-{name}-stats")
                 bars = gr.Plot(label="Speed", elem_id="compare-bars")
-                compare_costs = gr.Plot(cost_figure([], None), label="Cost per level", elem_id="compare-costs")
+                compare_costs = gr.Plot(cost_figure([], None), label="Cost per level (TriForce, autoregressive)",
+                                        elem_id="compare-costs")
                 compare_state = gr.State()
                 with gr.Accordion("Raw comparison (JSON)", open=False):
                     compare_json = gr.JSON(label="comparison")
+            with gr.Tab("Settings", id="settings", elem_id="settings"):
+                gr.Markdown("Every generation setting, for the runs of both tabs; a model preset sets some of them.")
+                panel = build_panel(values, notes, skip=QUICK_SETTINGS)
             with gr.Tab("How it works", id="how") as how_tab:
                 gr.Markdown(EXPLANATION)
+                if first:
+                    gr.Markdown(python_snippet(first.path, first_instructions[0]), elem_id="python-snippet")
                 gr.Markdown("## Models, device and versions")
                 engines = gr.Markdown(elem_id="engines")
 
-        inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, "method": method,
-                  **quick, **panel}
+        inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, **quick, **panel}
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document",
-                      concurrency_limit=UPLOAD_READERS)
+                      concurrency_limit=UPLOAD_READERS).success(
+            callbacks.leave_sample, None, [sample, examples, instruction], api_visibility="private",
+            concurrency_limit=None)
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")
         describe = dict(fn=callbacks.describe_document,
                         inputs=[document, preset_name, panel["budget"], instruction, quick["max_new_tokens"]],
@@ -199,24 +227,22 @@ def build_demo() -> gr.Blocks:
                    "stats_json": stats_json, "timeline": timeline, "costs": costs, "raw_stats": raw_stats,
                    "run_state": run_state}
         run_event = run.click(by_name(callbacks.run_triforce, outputs),
-                              inputs_kwargs={**inputs, "heatmap_mode": heatmap_mode},
+                              inputs_kwargs={**inputs, "method": method, "heatmap_mode": heatmap_mode},
                               outputs=list(outputs.values()), api_name="triforce", preprocess=False,
                               show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=1)
         stop.click(callbacks.stopped, None, status, cancels=[run_event], api_name="stop", concurrency_limit=None)
         heatmap_mode.change(callbacks.redraw_heatmap, [run_state, heatmap_mode], heatmap, api_visibility="private",
                             concurrency_limit=None)
 
-        components = {"compare_status": compare_status, "ar_answer": ar_answer, "tf_head": tf_head,
-                      "tf_answer": tf_answer, "ar_stats": ar_stats, "tf_stats": tf_stats, "bars": bars,
-                      "verdict": verdict, "compare_json": compare_json, "tf_timeline": tf_timeline,
-                      "compare_costs": compare_costs, "compare_state": compare_state}
+        components = {"compare_status": compare_status, "verdict": verdict, "bars": bars,
+                      "compare_costs": compare_costs, "compare_json": compare_json, "compare_state": compare_state,
+                      **columns}
         outputs = {name: components[name] for name in callbacks.COMPARE_OUTPUTS}
         compare_event = compare_run.click(by_name(callbacks.run_compare, outputs), inputs_kwargs=inputs,
                                           outputs=list(outputs.values()), api_name="compare", preprocess=False,
                                           show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=1)
         compare_stop.click(callbacks.stopped, None, compare_status, cancels=[compare_event], api_name="stop_compare",
                            concurrency_limit=None)
-        method.change(callbacks.method_heading, method, tf_head, api_visibility="private", concurrency_limit=None)
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")
         demo.load(callbacks.describe_engines, None, engines, api_visibility="private")
     return serve(demo, GPU_QUEUE)  # one run at a time, a bounded number per visitor (app.service)

@@ -21,7 +21,7 @@ SLIDER_SPAN = 64  # an integer setting whose range is at most this wide gets a s
 RADIO_CHOICES = 4  # named choices up to this many are radio buttons, more a dropdown
 WHOLE_NUMBER_CHOICES = (2, 4, 8, 16)  # offered beside the names of a setting that also takes a whole number
 AUTO = "auto"
-METHODS = ("auto", "triforce")  # offered in the app: Compare runs autoregressive decoding beside the one picked
+METHODS = ("triforce", "auto")  # offered on the TriForce tab (Compare runs every method itself)
 
 
 def app_settings() -> dict[str, tuple[dataclasses.Field, Setting, tuple[type, ...]]]:
@@ -80,13 +80,12 @@ def build_panel(values: Mapping[str, Any] | None = None, notes: Mapping[str, str
     return panel
 
 
-def method_widget() -> gr.Radio:
-    """The decoding method beside autoregressive decoding: the choices the app offers (Compare runs autoregressive
-    decoding itself), the declaration's label and default."""
+def method_widget(value: str) -> gr.Radio:
+    """The TriForce tab's decoding method, `value` at first: the choices the app offers there (Compare runs every
+    method itself) and the declaration's label."""
     spec = settings()["method"][1]
-    return gr.Radio(list(METHODS), value=default("method"), label=spec.label, elem_id="set-method", scale=2,
-                    info="auto: the planner picks the levels and γs round by round from measured costs · triforce: "
-                    "always levels 1 → 2 → 3")
+    return gr.Radio(list(METHODS), value=value, label=spec.label, elem_id="set-method", scale=2,
+                    info="triforce: levels 1 → 2 → 3 · auto: the planner picks levels and γs as it measures")
 
 
 def _number(label: str, raw: Any, whole: bool) -> int | float:

@@ -222,10 +222,14 @@ def _tokens(state: RunState, ev: Tokens, now: float) -> None:
     if state.prefill_ended is None:
         state.prefill_ended = now
     start = len(state.pieces)
-    state.pieces.extend(zip(ev.texts, ev.provenance))
+    provenance = ev.provenance
+    trace = state.rounds[-1] if state.rounds and state.rounds[-1].round == ev.round else None
+    # a round that drafted nothing (method auto's autoregressive plan) emits level 3's token alone: autoregressive
+    if trace is not None and not trace.proposed and not trace.steps:
+        provenance = ["target"] * len(ev.provenance)
+    state.pieces.extend(zip(ev.texts, provenance))
     state.token_ids.extend(ev.ids)
-    if state.rounds and state.rounds[-1].round == ev.round:
-        trace = state.rounds[-1]
+    if trace is not None:
         state.rejected += [(start + offset, rejection, text) for offset, rejection, text in trace.tried
                            if start + offset <= len(state.pieces)]
         trace.tried = []

@@ -7,16 +7,14 @@ import html
 
 import numpy as np
 
+from core.events import PROVENANCE_LABELS
+
 from app.state import Rejection, RunState, live_stats
 
-# Where an answer token came from (core.events.Provenance): its label and the colour of its overlay.
-PROVENANCE = {
-    "draft": ("level-1 draft, accepted", "#22c55e"),
-    "copy": ("level-1 copy from the text, accepted", "#14b8a6"),
-    "level2": ("level-2 correction/bonus", "#f59e0b"),
-    "level3": ("level-3 correction/bonus", "#ef4444"),
-    "target": ("autoregressive (target)", "#94a3b8"),
-}
+# Where an answer token came from (core.events.Provenance): its label (core's one vocabulary) and its colour, that of
+# its overlay in the answer and of its cell in the timeline.
+COLOURS = {"draft": "#22c55e", "copy": "#14b8a6", "level2": "#f59e0b", "level3": "#ef4444", "target": "#94a3b8"}
+PROVENANCE = {key: (label, COLOURS[key]) for key, label in PROVENANCE_LABELS.items()}
 REJECTED: dict[Rejection, tuple[str, str]] = {
     (1, 2): ("level-1 draft, rejected by level 2", "#6b7280"),
     (2, 3): ("level-2 draft, rejected by level 3", "#dc2626"),
@@ -26,13 +24,21 @@ SPANS = {"sink": ("attention sink", "#a78bfa"), "hot": ("kept by ≥ half of lay
          "warm": ("kept by some heads", "#fde68a")}
 # The checkboxes that switch an answer's overlays on, by the answer's element id; pure CSS (:has), so a switch is
 # instant, needs no request, and holds while a run streams new frames.
-OVERLAYS = {"answer": ("colour-answer", "show-rejected"), "compare-tf": ("colour-compare", "compare-show-rejected")}
+COMPARE_METHODS = ("ar", "triforce", "auto")  # Compare runs each, in this order, on the same input and seed
+OVERLAYS = {"answer": ("colour-answer", "show-rejected"),
+            **{f"compare-{method}": ("colour-compare", "compare-show-rejected") for method in COMPARE_METHODS}}
 OVERLAY_ALPHA = "55"  # the provenance colours behind the text, translucent
 DOC_VIEW_CHUNKS = 40
 TIMELINE_ITEMS = 120  # the timeline shows at most this many of the latest rounds (and groups of autoregressive steps)
 TIMELINE_LEGEND = ("<i class='ok'></i> kept <i class='no'></i> rejected <i class='skip'></i> discarded after it "
-                   "<i class='l2'></i> level-2 token <i class='l3'></i> level-3 correction/bonus "
+                   f"<i class='l2'></i> {PROVENANCE['level2'][0]} <i class='l3'></i> {PROVENANCE['level3'][0]} "
                    "<b class='tl-plan'>▸</b> plan chosen (method auto)")
+NEWLINE = "⏎"  # a rejected draft's line break, shown as a mark: struck-through blank lines read as gaps in the answer
+
+
+def plural(n: int, noun: str) -> str:
+    """`n` and the noun, plural unless n is 1 ("1 round", "3 rounds")."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _rejection_class(rejection: Rejection) -> str:
@@ -84,7 +90,8 @@ def answer_html(state: RunState | None, placeholder: str = "The answer appears h
     for at, rejection, text in state.rejected:  # in answer order
         parts += _runs(state.pieces[done:at])
         done = at
-        parts.append(f"<del class='{_rejection_class(rejection)}'>{html.escape(text)}</del>")
+        shown = html.escape(text.replace("\n", NEWLINE))
+        parts.append(f"<del class='{_rejection_class(rejection)}'>{shown}</del>")
     parts += _runs(state.pieces[done:])
     return f"<div class='answer-text'><div class='legend'>{''.join(legend)}</div>{''.join(parts)}</div>"
 
@@ -123,7 +130,7 @@ def timeline_html(state: RunState, limit: int = TIMELINE_ITEMS) -> str:
     def flush() -> None:
         nonlocal plain
         if plain:
-            items.append(f"<span class='tl-ar' title='{plain} autoregressive steps'>{plain} AR</span>")
+            items.append(f"<span class='tl-ar' title='{plural(plain, 'autoregressive step')}'>{plain} AR</span>")
             plain = 0
 
     for trace in state.rounds:
@@ -139,7 +146,8 @@ def timeline_html(state: RunState, limit: int = TIMELINE_ITEMS) -> str:
             plain += 1
     flush()
     verified = sum(1 for trace in state.rounds if trace.proposed)
-    shown = f"{verified} rounds with drafts" + (f", the last {limit} items shown" if len(items) > limit else "")
+    shown = f"{plural(verified, 'round')} with drafts" + (f", the last {limit} items shown" if len(items) > limit
+                                                           else "")
     return (f"<div class='tl'><div class='tl-head'>Top: level 3 on the drafted tokens · below: level 2 on the "
             f"level-1 tokens, step by step · {TIMELINE_LEGEND} · {shown}</div>"
             f"<div class='tl-rounds'>{''.join(items[-limit:])}</div></div>")
@@ -226,6 +234,54 @@ def placement_markdown(caches: dict) -> str:
     parts = [f"{name} {info['bytes'] / 2**30:.2f} GiB on the {info['where']}" for name, info in caches.items()]
     return "🔀 The full KV cache does not fit the GPU's memory budget: it lives in CPU memory and is streamed to the " \
            "GPU layer by layer at each level-3 (full-cache) step · " + " · ".join(parts)
+
+
+METHOD_NAMES = {"ar": "Autoregressive", "triforce": "TriForce (levels 1 → 2 → 3)",
+                "auto": "Method auto (the planner picks the levels)"}
+SHORT_NAMES = {"ar": "autoregressive", "triforce": "TriForce", "auto": "auto"}
+
+
+def plan_kind(plan: str) -> str:
+    """A plan's hierarchy without its drafter and γs: "levels 1 → 2 → 3 (draft model, γ1 2, γ2 6)" → "levels 1 → 2 →
+    3"."""
+    return plan.split(" (")[0]
+
+
+def autoregressive_tokens(state: RunState) -> int:
+    """Answer tokens from steps that drafted nothing (the target alone on its full cache)."""
+    return sum(1 for _, provenance in state.pieces if provenance == "target")
+
+
+def what_ran(state: RunState) -> str:
+    """What a run's decoding actually did, in a few words: a method auto run names the hierarchies its planner chose,
+    in order, and says how many of its tokens were decoded autoregressively."""
+    if state.method != "auto":
+        return "autoregressive" if state.method == "ar" else "levels 1 → 2 → 3"
+    kinds: list[str] = []
+    for plan in state.plans:
+        if not kinds or kinds[-1] != plan_kind(plan.plan):
+            kinds.append(plan_kind(plan.plan))
+    n, plain = len(state.pieces), autoregressive_tokens(state)
+    if n and plain == n:
+        return "autoregressive throughout"
+    ran = ", then ".join(kinds if len(kinds) <= 3 else ["…", *kinds[-3:]]) or "nothing yet"
+    return ran + (f" ({plain} of {plural(n, 'token')} autoregressive)" if plain else "")
+
+
+def run_heading(state: RunState) -> str:
+    """A Compare column's heading: the method and, for method auto, what it ran."""
+    heading = f"**{METHOD_NAMES[state.method]}**"
+    return heading + (f" · ran {what_ran(state)}" if state.method == "auto" and state.plans else "")
+
+
+def run_label(state: RunState) -> str:
+    """A run's short name on a chart, saying what ran where the method alone does not (an auto run that decoded
+    autoregressively)."""
+    name = SHORT_NAMES[state.method]
+    if state.method != "auto" or not state.pieces:
+        return name
+    n, plain = len(state.pieces), autoregressive_tokens(state)
+    return f"{name}: " + ("autoregressive" if plain == n else "drafting" if not plain else f"{plain}/{n} tokens AR")
 
 
 def plan_line(state: RunState) -> str | None:

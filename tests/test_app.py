@@ -5,8 +5,11 @@ from __future__ import annotations
 import base64
 import html
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -313,6 +316,38 @@ def test_rejected_drafts_are_placed_where_they_were_tried() -> None:
     assert "drafts nothing" in timeline_html(RunState(method="ar"))
 
 
+def test_a_rejected_line_break_is_a_visible_mark_and_a_single_round_or_selection_is_singular() -> None:
+    state = RunState()
+    apply_event(state, prompt_event(4))
+    apply_event(state, selection_event(4, [[[0, 1], [2]], [[3], [0]]]))
+    apply_event(state, verdict_event(3, 0, "\n\nx", 0))  # level 3 rejected a draft of two line breaks and an x
+    apply_event(state, tokens_event(["A"], ["level3"], 0))
+    parts = answer_parts(answer_html(state))
+    assert parts == [("r23", "⏎⏎x"), ("p-level3", "A")]  # struck-through line breaks would draw blank lines
+    assert "1 round with drafts" in timeline_html(state)
+    apply_event(state, tokens_event(["B"], ["level3"], 1))  # a second step, under the one selection
+    title = selection_heatmap(state, HEATMAP_MODES[1]).layout.title.text
+    assert title.startswith("Per decoding step: 1 selection<br>")
+    # a colour bar of counts (KV heads, layer×heads) ticks whole numbers only
+    for mode in HEATMAP_MODES[1:]:
+        bar = selection_heatmap(state, mode).data[0].colorbar
+        assert bar.dtick >= 1 and float(bar.dtick).is_integer() and bar.tick0 == 0 and bar.tickformat == "d"
+
+
+def test_upload_leaves_the_sample_and_its_questions_for_generic_ones() -> None:
+    sample, examples, instruction = callbacks.leave_sample()
+    assert sample is None and instruction == callbacks.GENERIC_INSTRUCTIONS[0]
+    assert examples.raw_samples == [[i] for i in callbacks.GENERIC_INSTRUCTIONS]
+
+
+def test_the_models_table_is_headed_by_the_target_not_an_empty_row() -> None:
+    from app.explainer import engine_table
+
+    table = engine_table([{"target": "tiny", "draft": None, "device": "cpu", "dtype": "float32",
+                           "context_length": 8192, "versions": {"torch": "2.x"}}])
+    assert table.splitlines()[:3] == ["| target | tiny |", "|---|---|", "| draft | none |"]
+
+
 def test_answer_is_escaped_text_and_its_overlays_are_switched_by_their_checkboxes() -> None:
     state = RunState()
     apply_event(state, tokens_event(["<b>x</b>", " & y\n"], ["draft", "draft"], 0))
@@ -320,8 +355,9 @@ def test_answer_is_escaped_text_and_its_overlays_are_switched_by_their_checkboxe
     assert "<b>x" not in markup and answer_parts(markup) == [("p-draft", "<b>x</b> & y\n")]
     assert "appears here" in answer_html(RunState()) and "appears here" in answer_html(None)
     css = callbacks_css()
-    for answer, (colour, rejected) in (("answer", ("colour-answer", "show-rejected")),
-                                       ("compare-tf", ("colour-compare", "compare-show-rejected"))):
+    compare = [(f"compare-{method}", ("colour-compare", "compare-show-rejected")) for method in ("ar", "triforce",
+                                                                                               "auto")]
+    for answer, (colour, rejected) in (("answer", ("colour-answer", "show-rejected")), *compare):
         assert f"body:has(#{colour} input:checked) #{answer} [class^='p-']" in css
         assert f"body:has(#{rejected} input:checked) #{answer} del {{display: inline}}" in css
     assert ".answer-text del {display: none" in css  # plain text unless asked
@@ -348,6 +384,9 @@ def test_a_plan_the_planner_chooses_is_said_in_one_line_and_marked_on_the_timeli
     for round_ in (2, 3, 4):
         apply_event(state, verdict_event(3, round_, "", 0, bonus=True))
         apply_event(state, tokens_event(["q"], ["level3"], round_))
+    # a round that drafted nothing is an autoregressive step, and its token says so (not "level-3 correction/bonus")
+    assert [provenance for _, provenance in state.pieces][-4:] == ["level3", "target", "target", "target"]
+    assert PROVENANCE["target"][0] == "autoregressive" and ("p-target", "qqq") in answer_parts(answer_html(state))
     c = state.counts
     assert (c.level1_proposed, c.level1_accepted, c.level2_proposed, c.level2_accepted) == (2 + 4, 2 + 1, 3, 3)
     assert state.rejected == [(5, (1, 3), "fgh")]
@@ -577,32 +616,67 @@ def test_document_line_counts_what_the_run_drops_and_the_budgets_share_of_its_pr
 
 
 def test_comparison_summary_checks_token_identity_and_says_where_outputs_differ() -> None:
-    ar, tf = RunState(method="ar"), RunState(method="auto")
+    runs = {method: RunState(method=method) for method in ("ar", "triforce", "auto")}
+    ar, tf, auto = runs.values()
     ar.final_stats = run_stats(method="ar", tokens_per_s=2.0, near_ties=[(2, 0.01)])
-    tf.final_stats = run_stats(method="auto", tokens_per_s=5.0)
-    ar.token_ids, tf.token_ids = [1, 2, 3], [1, 2, 4]
-    text, summary = callbacks.comparison_summary(ar, tf, greedy=True)
-    assert summary["identical"] is False and summary["first_difference"] == 2 and summary["speedup"] == 2.5
-    assert "differ from token 3" in text and "near-tie" in text and summary["method"] == "auto"
+    tf.final_stats = run_stats(method="triforce", tokens_per_s=5.0)
+    auto.final_stats = run_stats(method="auto", tokens_per_s=3.0)
+    ar.token_ids, tf.token_ids, auto.token_ids = [1, 2, 3], [1, 2, 4], [1, 2, 3]
+    text, summary = callbacks.comparison_summary(runs, greedy=True)
+    assert summary["identical"] == {"triforce": False, "auto": True} and summary["first_difference"]["triforce"] == 2
+    assert summary["speedup"] == {"triforce": 2.5, "auto": 1.5} and "TriForce **2.50×** · auto **1.50×**" in text
+    assert "TriForce (levels 1 → 2 → 3): not token-identical" in text and "differ from token 3" in text
+    assert "near-tie" in text and "Token-identical" not in text
     tf.token_ids = [1, 2, 3]
-    assert callbacks.comparison_summary(ar, tf, greedy=True)[1]["identical"] is True
-    assert callbacks.comparison_summary(ar, tf, greedy=False)[1]["identical"] is None
-    tf.final_stats = run_stats(method="auto", tokens_per_s=5.0, device="cuda:0", dtype="bfloat16",
+    assert callbacks.comparison_summary(runs, greedy=True)[1]["identical"] == {"triforce": True, "auto": True}
+    assert "every run produced the same 3 tokens" in callbacks.comparison_summary(runs, greedy=True)[0]
+    assert callbacks.comparison_summary(runs, greedy=False)[1]["identical"] == {"triforce": None, "auto": None}
+    tf.final_stats = run_stats(method="triforce", tokens_per_s=5.0, device="cuda:0", dtype="bfloat16",
                                prefill_reused=True, prefill_s=0.01)
-    tf.plans.append(PlanChosen(0, "autoregressive", "expected 1.00× autoregressive", "", False, 0, 0))
-    text, summary = callbacks.comparison_summary(ar, tf, greedy=False)
-    assert summary["device"] == "cuda:0 · bfloat16" and "Ran on **cuda:0 · bfloat16**" in text and "reused" in text
+    auto.plans.append(PlanChosen(0, "autoregressive", "expected 1.00× autoregressive", "", False, 0, 0))
+    text, summary = callbacks.comparison_summary(runs, greedy=False)
+    assert summary["device"] == "cuda:0 · bfloat16" and "Ran on **cuda:0 · bfloat16**." in text and "reused" in text
     assert "**Method auto** chose **autoregressive** from round 0: expected 1.00×" in text
-    bars = compare_bars(live_stats(ar), live_stats(tf))
-    assert len(bars.data) == 8 and "cuda:0 · bfloat16" in bars.layout.title.text
+    assert callbacks.CPU_NOTE not in text  # said beside figures measured on a CPU only
+    tf.final_stats = run_stats(method="triforce", tokens_per_s=5.0, device="cpu", dtype="float32")
+    assert "Ran on **cpu · float32**. " + callbacks.CPU_NOTE in callbacks.comparison_summary(runs, greedy=False)[0]
+    bars = compare_bars([(method, f"run {method}", live_stats(state)) for method, state in runs.items()])
+    assert len(bars.data) == 12 and [bar.name for bar in bars.data[::4]] == ["run ar", "run triforce", "run auto"]
+    assert "cpu · float32" in bars.layout.title.text
     assert [a.text for a in bars.layout.annotations][2:] == ["prefill (s)", "time to first token (s)"]
     assert_valid_plotly(bars)
     table = stats_markdown(live_stats(tf))
     assert "decode: tokens / s | 5.00" in table and "decode: ms / token | 200.0" in table
-    assert "prefill (cache of the previous run reused)" in table and "cuda:0 · bfloat16" in table
     assert "drafts made ahead" not in table  # a row only where level 2 drafted ahead
-    tf.final_stats = run_stats(method="auto", tokens_per_s=5.0, ahead_made=12, ahead_kept=7)
-    assert "| level-2 drafts made ahead, during level 3 (used) | 12 (7 used) |" in stats_markdown(live_stats(tf))
+    tf.final_stats = run_stats(method="triforce", tokens_per_s=5.0, ahead_made=12, ahead_kept=7, prefill_reused=True)
+    table = stats_markdown(live_stats(tf))
+    assert "| level-2 drafts made ahead, during level 3 (used) | 12 (7 used) |" in table
+    assert "prefill (cache of the previous run reused)" in table
+
+
+def test_what_ran_names_an_auto_run_that_decoded_autoregressively_as_such() -> None:
+    from app.views import run_heading, run_label, what_ran
+
+    auto = RunState(method="auto")
+    apply_event(auto, PlanChosen(0, "levels 1 → 2 → 3 (draft model, γ1 2, γ2 6)", "measuring", "model", True, 2, 6))
+    apply_event(auto, verdict_event(2, 0, "ab", 2, bonus=True))
+    apply_event(auto, verdict_event(3, 0, "abc", 3, bonus=True))
+    apply_event(auto, tokens_event(list("abcd"), ["draft", "draft", "level2", "level3"], 0))
+    assert what_ran(auto) == "levels 1 → 2 → 3" and run_label(auto) == "auto: drafting"
+    apply_event(auto, PlanChosen(1, "autoregressive", "expected 1.02× autoregressive", "", False, 0, 0))
+    for round_ in (1, 2):
+        apply_event(auto, verdict_event(3, round_, "", 0, bonus=True))
+        apply_event(auto, tokens_event(["q"], ["level3"], round_))
+    assert what_ran(auto) == "levels 1 → 2 → 3, then autoregressive (2 of 6 tokens autoregressive)"
+    assert run_label(auto) == "auto: 2/6 tokens AR"
+    assert run_heading(auto).startswith("**Method auto") and "then autoregressive (2 of 6" in run_heading(auto)
+    plain = RunState(method="auto")
+    apply_event(plain, PlanChosen(0, "autoregressive", "measuring an autoregressive step", "", False, 0, 0))
+    apply_event(plain, verdict_event(3, 0, "", 0, bonus=True))
+    apply_event(plain, tokens_event(["q"], ["level3"], 0))
+    assert what_ran(plain) == "autoregressive throughout" and run_label(plain) == "auto: autoregressive"
+    assert run_label(RunState(method="triforce")) == "TriForce" and what_ran(RunState(method="ar")) == \
+        "autoregressive"
 
 
 def test_throttle_limits_rate_but_lets_forced_updates_through() -> None:
@@ -612,6 +686,23 @@ def test_throttle_limits_rate_but_lets_forced_updates_through() -> None:
 
 
 # ---------------------------------------------------------------- the served app (real engine, embedded model)
+
+
+def test_the_python_snippet_runs_from_anywhere_and_answers_the_default_question_right(tmp_path: Path) -> None:
+    """The app's first sample and question, asked (greedy, TriForce) by the script the app shows, saved outside the
+    checkout and run with no PYTHONPATH: the one real run of the embedded model on the default sample."""
+    from app.explainer import python_snippet
+    from app.layout import default_sample
+
+    sample = default_sample(load_samples())
+    code = python_snippet(sample.path, sample.instructions[0]).split("```python\n", 1)[1].split("\n```", 1)[0]
+    (tmp_path / "ask.py").write_text(code, encoding="utf-8")
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "ask.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=1800)
+    assert run.returncode == 0, run.stderr[-2000:]
+    answer = run.stdout.rsplit("\n", 2)[0]  # the answer, then the line of its figures
+    assert "July 4, 1776" in answer, answer
 
 
 @pytest.fixture(scope="module")
@@ -681,27 +772,43 @@ def test_triforce_streams_the_answer_heatmap_stats_and_the_full_data(server, sho
     assert len(data["selections"][0]["kept_by"]) == data["prompt"]["num_chunks"] > 0
 
 
-def test_compare_runs_method_auto_beside_ar_and_greedy_outputs_are_token_identical(server, short_doc: str) -> None:
+def compare_frame(values: tuple) -> dict:
+    """A /compare frame by output name (a gr.State is never sent to a client)."""
+    return dict(zip([name for name in callbacks.COMPARE_OUTPUTS if name != "compare_state"], values, strict=True))
+
+
+def test_compare_runs_ar_triforce_and_auto_side_by_side_and_greedy_outputs_are_token_identical(server,
+                                                                                              short_doc: str) -> None:
     _, client = server
     job = client.submit(**run_kwargs(short_doc, max_new_tokens=12), api_name="/compare")
     list(job)
-    (status, ar_answer, tf_head, tf_answer, ar_md, tf_md, bars, verdict, summary, timeline,
-     costs) = job.outputs()[-1]
-    assert summary["greedy"] is True and summary["identical"] is True, summary
-    assert summary["method"] == "auto" and "Method auto" in tf_head and "**Method auto** chose" in verdict
-    ar_parts = answer_parts(ar_answer)
-    tf_text = "".join(text for cls, text in answer_parts(tf_answer) if cls.startswith("p-"))
-    assert "".join(text for _, text in ar_parts) == tf_text and {cls for cls, _ in ar_parts} == {"p-target"}
-    assert "Ran on **cpu · float32**" in verdict and "cpu · float32" in tf_md and "tl-plan" in timeline
-    assert "| level-1 acceptance | — |" in ar_md and "| budget / prompt | — |" in ar_md
-    cost_rows = json.loads(costs["plot"])["data"][0]["y"]
+    out = compare_frame(job.outputs()[-1])
+    summary, verdict = out["compare_json"], out["verdict"]
+    assert summary["greedy"] is True and summary["identical"] == {"triforce": True, "auto": True}, summary
+    assert out["triforce_head"] == "**TriForce (levels 1 → 2 → 3)**" and "Method auto" in out["auto_head"]
+    assert "· ran " in out["auto_head"] and "**Method auto** chose" in verdict and "tl-plan" in out["auto_timeline"]
+    ar_parts = answer_parts(out["ar_answer"])
+    assert {cls for cls, _ in ar_parts} == {"p-target"}
+    for method in ("triforce", "auto"):
+        text = "".join(text for cls, text in answer_parts(out[f"{method}_answer"]) if cls.startswith("p-"))
+        assert "".join(text for _, text in ar_parts) == text
+    assert "tl-round" in out["triforce_timeline"]  # TriForce drafts every round
+    assert "Ran on **cpu · float32**" in verdict and "cpu · float32" in out["triforce_stats"]
+    assert "| level-1 acceptance | — |" in out["ar_stats"] and "| budget / prompt | — |" in out["ar_stats"]
+    cost_rows = json.loads(out["compare_costs"]["plot"])["data"][0]["y"]
     assert cost_rows[-1] == "autoregressive: target + full cache" and cost_rows[0].startswith("level 1")
-    assert summary["speedup"] > 0 and summary["ar"]["tokens_per_s"] > 0 and summary["triforce"]["tokens_per_s"] > 0
-    assert summary["triforce"]["plans"] and "Token-identical" in verdict and len(json.loads(bars["plot"])["data"]) == 8
-    live = [frame[8]["triforce"]["time_to_first_token_s"] for frame in job.outputs() if isinstance(frame[8], dict)]
-    first_live = next(t for t in live if t is not None)  # while it ran: its own clock, not the AR run's before it
-    assert first_live < summary["triforce"]["time_to_first_token_s"] + 1.0 < summary["ar"]["decode_s"] + \
-        summary["ar"]["prefill_s"] + 1.0
+    runs = summary["runs"]
+    assert all(runs[method]["tokens_per_s"] > 0 for method in ("ar", "triforce", "auto"))
+    assert all(summary["speedup"][method] > 0 for method in ("triforce", "auto")) and runs["auto"]["plans"]
+    bars = json.loads(out["bars"]["plot"])["data"]
+    assert [bar["name"] for bar in bars[::4]] == [runs[method]["ran"] for method in ("ar", "triforce", "auto")]
+    live = [compare_frame(frame)["compare_json"]["runs"]["triforce"]["time_to_first_token_s"]
+            for frame in job.outputs() if isinstance(compare_frame(frame)["compare_json"], dict)]
+    # while it ran, TriForce's time to first token ran on its own clock: counted from the AR run's start, it would
+    # exceed the engine's figure by the whole AR run
+    first_live = next(t for t in live if t is not None)
+    ar_run_s = runs["ar"]["prefill_s"] + runs["ar"]["decode_s"]
+    assert first_live < runs["triforce"]["time_to_first_token_s"] + ar_run_s / 2
 
 
 @pytest.mark.parametrize("overrides, message", [

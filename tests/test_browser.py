@@ -1,6 +1,7 @@
-"""Real-browser test: Playwright drives Debian's headless chromium as a first-time visitor would: the settings
-above the tabs, a run read as plain text and then with its overlays, a stopped run, a comparison, a source file
-uploaded, and the README's screenshot."""
+"""Real-browser test: Playwright drives Debian's headless chromium as a first-time visitor would, on a 1440×900
+screen: the first view (Run in sight, what a CPU gives), the settings, a TriForce run read as plain text and then
+with its overlays, a stopped run, a comparison of the three methods, a source file uploaded, the How it works tab,
+and the README's screenshot."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ if not shutil.which(CHROMIUM):  # install.sh --test installs Debian's chromium o
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SAMPLE = "The Declaration of Independence (July 4, 1776)"
+SCREEN = {"width": 1440, "height": 900}
 OTHER_SAMPLE = "Socket Programming HOWTO (Python 3.11 documentation)"
 VISIBLE = """(selector) => Array.from(document.querySelectorAll(selector))
     .filter(e => e.textContent.trim() && getComputedStyle(e).display !== 'none')"""
@@ -31,9 +32,15 @@ SHOWN_DRAFTS = f"() => ({VISIBLE})('#answer del').length"
 COLOURED = f"""() => ({VISIBLE})('#answer .answer-text > span')
     .filter(e => getComputedStyle(e).backgroundColor !== 'rgba(0, 0, 0, 0)').length"""
 ANSWER_CHARS = "() => document.querySelector('#answer .answer-text').innerText.length"
-LABELS = "#settings label > span:first-child, #quick-settings label > span:first-child"
-LABEL_LINES = f"""() => Array.from(document.querySelectorAll('{LABELS}')).filter(e => e.offsetHeight)
+LINES = """(selector) => Array.from(document.querySelectorAll(selector)).filter(e => e.offsetHeight)
     .map(e => Math.round(e.offsetHeight / parseFloat(getComputedStyle(e).lineHeight)))"""
+LABELS = "#settings label > span:first-child, #quick-settings label > span:first-child"
+HELP = "#settings .info-text"
+# a dropdown's text ends before its arrow: the input's content box stops left of the arrow's box
+CLEAR_OF_ARROW = """(id) => { const input = document.querySelector(`#${id} input`);
+    const arrow = document.querySelector(`#${id} .icon-wrap`).getBoundingClientRect();
+    return input.getBoundingClientRect().right - parseFloat(getComputedStyle(input).paddingRight) <= arrow.left; }"""
+PREFILL_SHARE = r"() => (document.querySelector('#status').innerText.match(/Prefill: (\d+)%/) || [])[1]"
 
 
 def screenshot_path() -> Path:
@@ -69,36 +76,49 @@ def text(page, selector: str) -> str:
 
 
 def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
+    from app.documents import load_samples
+    from app.layout import default_sample
+    from app.views import PROVENANCE
+
+    first = default_sample(load_samples())
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=shutil.which(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1440, "height": 1300})
+        page = browser.new_page(viewport=SCREEN)
         errors: list[str] = []
         page.on("pageerror", lambda err: errors.append(str(err)))
         page.goto(app_url)
         page.wait_for_selector("#run", timeout=60_000)
 
+        # the first view: Run in sight on a laptop's screen, what a CPU gives said up front, the three levels chosen,
+        # the default sample and its first question, no dropdown's text under its arrow
+        run_box = page.locator("#run").bounding_box()
+        assert run_box and run_box["y"] + run_box["height"] <= SCREEN["height"], run_box
+        assert "about as fast as plain decoding" in text(page, "#cpu-note")
+        assert page.locator("#set-method input[value='triforce']").is_checked()
+        assert page.input_value("#sample input") == first.title
+        assert page.input_value("#instruction textarea") == first.instructions[0]
+        assert page.evaluate(CLEAR_OF_ARROW, "preset") and page.evaluate(CLEAR_OF_ARROW, "sample")
+
         pick_sample(page, OTHER_SAMPLE)
         page.wait_for_function("() => document.querySelector('#document textarea').value.includes('Socket')")
-        pick_sample(page, SAMPLE)
-        page.wait_for_function("() => document.querySelector('#document textarea').value.includes('Declaration')")
-        # the settings a visitor changes sit above the tabs, beside the model and the method; no label wraps
+        pick_sample(page, first.title)
+        page.wait_for_function(f"() => document.querySelector('#instruction textarea').value === "
+                               f"{first.instructions[0]!r}")
+        # the settings a visitor changes sit above the tabs; the rest, on a tab of their own, read in a line or two
         page.get_by_label("Max new tokens").fill("32")
         page.get_by_label("Greedy", exact=True).check()
-        # the run's hierarchy fixed (method auto's choices follow measured timings: on a busy CPU it may decode
-        # autoregressively throughout, leaving no drafts to show); Compare below runs auto
-        page.locator("#set-method").get_by_text("triforce", exact=True).click()
         page.wait_for_function("() => document.querySelector('#doc-info').innerText.includes('32 answer tokens')",
                                timeout=60_000)
-        page.locator("#settings").get_by_text("More settings", exact=True).first.click()
-        page.wait_for_function(f"() => ({LABEL_LINES})().length >= 12")  # the panel drawn
-        lines = page.evaluate(LABEL_LINES)
-        assert max(lines) <= 2, f"a setting's label wraps onto three lines or more: {lines}"
-        page.locator("#settings").get_by_text("More settings", exact=True).first.click()
+        page.get_by_role("tab", name="Settings").click()
+        page.wait_for_function(f"() => ({LINES})({LABELS!r}).length >= 12")  # the panel drawn
+        labels, helps = page.evaluate(LINES, LABELS), page.evaluate(LINES, HELP)
+        assert max(labels) <= 2, f"a setting's label wraps onto three lines or more: {labels}"
+        assert helps and max(helps) <= 3, f"a setting's help runs over three lines: {helps}"
+        page.get_by_role("tab", name="TriForce").click()
 
         page.click("#run")
-        page.wait_for_function("() => document.querySelector('#status').innerText.includes('Prefill')"
-                               " || document.querySelector('#status').innerText.includes('Decoding')",
-                               timeout=240_000)
+        # prefill reports each layer of its forwards, not only 25 % steps
+        page.wait_for_function(f"() => ({PREFILL_SHARE})() % 25 > 0", timeout=240_000, polling=50)
         assert page.locator("#status .eta-bar, #status .progress-text").count() == 0  # one status line, ours
         page.wait_for_function("() => document.querySelector('#status').innerText.includes('Finished')",
                                timeout=240_000)
@@ -107,15 +127,25 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
         assert page.evaluate(COLOURED) == 0 and page.evaluate(SHOWN_DRAFTS) == 0 and "im_end" not in answer
         page.locator("#colour-answer input").check()
         page.wait_for_function(f"() => ({COLOURED})() >= 2")
-        assert "level-1 draft, accepted" in text(page, "#answer")
+        legend = text(page, "#answer .legend").splitlines()
+        assert PROVENANCE["level3"][0] in legend and set(legend) <= {label for label, _ in PROVENANCE.values()}
         chars = page.evaluate(ANSWER_CHARS)
         page.locator("#show-rejected input").check()
         page.wait_for_function(f"() => ({SHOWN_DRAFTS})() > 0")
         assert page.evaluate(ANSWER_CHARS) > chars and "<|" not in text(page, "#answer")
+        # a rejected line break is a mark, never a struck-through blank line
+        assert not page.evaluate("() => Array.from(document.querySelectorAll('#answer del'))"
+                                 ".filter(e => e.textContent.includes('\\n')).length")
         page.wait_for_selector("#heatmap .hm image", state="attached", timeout=30_000)
         assert "Per layer: the answer's one selection" in page.text_content("#heatmap")
+        ticks = page.evaluate("() => Array.from(document.querySelectorAll('#heatmap .cbaxis text'))"
+                              ".map(e => e.textContent)")
+        assert ticks and all(re.fullmatch(r"\d+", tick) for tick in ticks), ticks  # counts: whole numbers only
         assert "kept by" in text(page, "#doc-view") and "im_start" not in text(page, "#doc-view")
         assert page.locator("#timeline .tl-round").count() >= 1
+        # one vocabulary: the timeline's legend names level 3's own token as the answer's legend does
+        assert PROVENANCE["level3"][0] in text(page, "#timeline")
+        assert not re.search(r"\b1 (rounds|selections)\b", page.text_content("body"))
         # one budget share of one prompt count on the screen: the document line's and the stats table's
         share = re.search(r"budget 512 tokens = ([\d.]+) % of the ([\d,]+)-token prompt", text(page, "#doc-info"))
         assert share and f"| budget / prompt | {share[1]} % |" in "| " + " | ".join(
@@ -123,8 +153,7 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
         page.wait_for_function("() => document.querySelector('#costs').textContent.includes('level 3')")
         page.screenshot(path=str(screenshot_path()), full_page=True)
 
-        page.fill("#document textarea", (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt")
-                  .read_text(encoding="utf-8")[:1500])
+        page.fill("#document textarea", first.read()[:1500])
         page.get_by_label("Max new tokens").fill("400")
         page.click("#run")
         page.wait_for_function("() => document.querySelector('#status').innerText.includes('Decoding')",
@@ -147,25 +176,43 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
         page.wait_for_function("() => document.querySelector('#status').innerText.includes('Finished')",
                                timeout=240_000)
 
+        # Compare: autoregressive, TriForce and auto on the same input, each named by what ran
         page.get_by_role("tab", name="Compare").click()
-        page.locator("#set-method").get_by_text("auto", exact=True).click()
         page.get_by_label("Max new tokens").fill("16")
         page.click("#compare-run")
         page.wait_for_function("() => document.querySelector('#verdict').innerText.includes('Token-identical')",
                                timeout=240_000)
         verdict = text(page, "#verdict")
-        assert "Ran on cpu" in verdict and "Method auto chose" in verdict
+        assert "Ran on cpu" in verdict and "Method auto chose" in verdict and "about as fast as plain" in verdict
+        assert text(page, "#compare-triforce-head") == "TriForce (levels 1 → 2 → 3)"
+        assert "ran " in text(page, "#compare-auto-head")
         ar_table = text(page, "#compare-ar-stats")
         assert re.search(r"level-1 acceptance\s+—", ar_table) and re.search(r"budget / prompt\s+—", ar_table)
         assert "0 %" not in ar_table
+        page.locator("#colour-compare input").check()
+        assert text(page, "#compare-ar .legend") == PROVENANCE["target"][0]  # autoregressive, not level 3's
         page.wait_for_function("() => document.querySelector('#compare-costs').textContent.includes('autoregressive')")
-        assert "time to first token" in page.text_content("#compare-bars")
+        bars = page.text_content("#compare-bars")
+        assert "time to first token" in bars and "TriForce" in bars and re.search(r"auto: (autoregressive|drafting|"
+                                                                                   r"\d+/\d+ tokens AR)", bars)
 
+        # an upload replaces the sample: no sample selected, and questions about a document in general
         page.get_by_role("tab", name="TriForce").click()
-        # a source file uploads as its text (the file box once refused .py as an invalid file type)
-        page.set_input_files("#upload input[type=file]", str(ROOT / "core" / "decode" / "sampling.py"))
+        with page.expect_file_chooser() as chooser:
+            page.click("#upload")
+        chooser.value.set_files(str(ROOT / "core" / "decode" / "sampling.py"))
         page.wait_for_function("() => document.querySelector('#document textarea').value.includes('def nucleus')",
                                timeout=30_000)
+        page.wait_for_function("() => document.querySelector('#sample input').value === ''")
+        assert page.input_value("#instruction textarea") != first.instructions[0]
+        assert first.instructions[0] not in text(page, "#examples")
         assert "Invalid file type" not in page.content()
+
+        # How it works: the models table has no empty header; the Python snippet names where `core` lives
+        page.get_by_role("tab", name="How it works").click()
+        page.wait_for_function("() => document.querySelector('#engines table') !== null", timeout=60_000)
+        assert all(cell.strip() for cell in page.locator("#engines th").all_inner_texts())
+        page.wait_for_function("() => document.querySelector('#python-snippet').innerText.includes('sys.path')")
+        assert f'sys.path.insert(0, "{ROOT}")' in text(page, "#python-snippet")
         assert not errors, errors
         browser.close()
