@@ -25,19 +25,19 @@ def full_cache(model, capacity: int) -> KVCache:
     return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, torch.float32, "cpu")
 
 
-def check_logits(hf, ours, ids: torch.Tensor, pieces: bool = True) -> None:
+def check_logits(hf, ours, ids: torch.Tensor, pieces: bool = True, atol: float = 1e-4) -> None:
     """One forward over ids, and the same ids fed in three pieces through the cache, both match transformers.
     (Dynamic NTK RoPE changes its frequencies with the length seen so far, so cached pieces differ by design.)"""
     with torch.no_grad():
         want = hf(ids[None]).logits[0]
         got = ours(ids, full_cache(ours, len(ids)))
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
         if not pieces:
             return
         cache = full_cache(ours, len(ids))
         cut = [0, len(ids) // 2, len(ids) - 1, len(ids)]
         pieces = [ours(ids[a:b], cache) for a, b in zip(cut, cut[1:])]
-        torch.testing.assert_close(torch.cat(pieces), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.cat(pieces), want, atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
@@ -67,7 +67,9 @@ def test_embedded_model_matches_transformers(embedded):
 
     hf = AutoModelForCausalLM.from_pretrained(_cache_dir(embedded_source()), dtype=torch.float32).eval()
     ids = torch.tensor(embedded.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"])
-    check_logits(hf, embedded.target, ids)
+    # Two float32 sums of 30 layers in different orders: transformers' logits are 6e-5 from a float64 forward, ours
+    # 1.0e-4 with MKL's GEMM (F.linear) and 1.2e-4 with the CPU's oneDNN (CpuOps), 1.2e-4 from each other at most.
+    check_logits(hf, embedded.target, ids, atol=2e-4)
 
 
 def flash_reference(q, k, v, causal):

@@ -1,11 +1,12 @@
 """The one place that chooses how a model computes on its device: plain PyTorch operators (any device, autograd,
-the reference) or, on CUDA, Triton kernels for decode steps. A model holds one Ops (`Transformer.ops`); its caches
-only store keys and values."""
+the reference), on a CPU oneDNN projections on weights packed once, or, on CUDA, Triton kernels for decode steps. A
+model holds one Ops (`Transformer.ops`); its caches only store keys and values."""
 
 from __future__ import annotations
 
 import functools
 import os
+import weakref
 from types import ModuleType
 from typing import Callable, Protocol
 
@@ -58,6 +59,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+@functools.lru_cache(maxsize=2)
+def decode_mask(n: int, past: int, group: int, device: torch.device) -> torch.Tensor:
+    """The causal mask [group * n, past + n] of a decode step's n new tokens, one row per query head of a group and
+    token. It depends on the step, not the layer: every layer of a step shares one (built per layer, the 8K-token
+    mask of a 3-row step cost 30 builds of ~0.12 ms on a CPU)."""
+    return torch.ones(n, past + n, dtype=torch.bool, device=device).tril(diagonal=past).repeat(group, 1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
     """Causal GQA attention of n new queries [Hq, n, D] over keys [Hkv, past + n, D] (4-D for SDPA's fast paths)."""
     hq, n, d = q.shape
@@ -67,8 +76,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> t
                      causal=True)[0].transpose(0, 1)
     if n <= DECODE_TOKENS:  # a decode step: the group's heads x new tokens become rows of one KV head (no K/V copies)
         group = hq // hkv
-        mask = None if n == 1 else \
-            torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past).repeat(group, 1)
+        mask = None if n == 1 else decode_mask(n, past, group, q.device)
         out = F.scaled_dot_product_attention(q.reshape(1, hkv, group * n, d), k[None], v[None], attn_mask=mask)
         return out.view(hq, n, d)
     gqa = hq != hkv
@@ -246,14 +254,88 @@ class TritonOps(TorchOps):
 
 TORCH = TorchOps()
 
+# Packed copies of the weights a CPU engine computes with are held up to this many bytes (each is as large as its
+# weight): all of a model up to half a billion float32 parameters; a larger one's later weights stay unpacked.
+CPU_PACK_BYTES = 2 << 30
+PACK_ROWS = 4  # the rows oneDNN is told to expect when it packs a weight: flat from 1 to 4 rows, and fast at 2,048
+
+
+class CpuOps(TorchOps):
+    """A CPU's inference: every projection and the LM head through oneDNN on float32 weights packed once into its
+    blocked layout (a packed copy per weight, made on first use, remade after the weight changes in place); autograd,
+    other dtypes and 3-D inputs keep the PyTorch operators. A decode step reads every weight once whatever its rows,
+    so a few rows should cost about what one does; through F.linear (MKL's float32 GEMM, which on a few rows ran far
+    below the memory's speed on the 2-core AMD EPYC dev machine) a SmolLM2-135M forward on level 2's 512-token cache
+    took 24, 42, 48 and 54 ms for 1, 2, 3 and 7 rows and its LM head 5 to 18 ms; through packed oneDNN 21, 22, 23 and
+    26 ms, the head 1.3 to 1.9 ms (medians, python -m bench.cpu_steps). A packed product also computes each row of a
+    k-row input bitwise as a 1-row input (MKL runs a GEMV for one row, a GEMM for more)."""
+
+    name = "cpu"
+
+    def __init__(self, budget: int = CPU_PACK_BYTES):
+        self.budget, self.packed_bytes, self.packings = budget, 0, 0
+        self.usable = torch.backends.mkldnn.is_available()
+        # id(weight): (a weak reference to it, its version when packed, the packed copy, its bytes)
+        self._packs: dict[int, tuple[weakref.ref, int, torch.Tensor, int]] = {}
+
+    def packed(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight packed for oneDNN when this product may use it (else None: F.linear computes it)."""
+        if not (self.usable and x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32):
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return None
+        key = id(weight)
+        entry = self._packs.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+            return entry[2]
+        if entry is not None:  # changed in place (or a new tensor where a dead one was): packed afresh
+            self._forget(key)
+        if self.packed_bytes + weight.nbytes > self.budget:
+            return None
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+        except (RuntimeError, AttributeError):  # a build without oneDNN's linear: PyTorch operators from now on
+            self.usable = False
+            return None
+        self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._forget(key)), weight._version, packed,
+                            weight.nbytes)
+        self.packed_bytes += weight.nbytes
+        self.packings += 1
+        return packed
+
+    def _forget(self, key: int) -> None:
+        """Drop the packed copy of a weight that died or changed."""
+        entry = self._packs.pop(key, None)
+        if entry is not None:
+            self.packed_bytes -= entry[3]
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self.packed(x, weight)
+        if packed is None:
+            return super().linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, weight).float()
+
+    def linear_add(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed(x, weight) is None:
+            return super().linear_add(residual, x, weight, bias)
+        out = self.linear(x, weight, bias)
+        return residual.add_(out) if not residual.requires_grad and residual.dim() == 2 else residual + out
+
 
 def ops_for(device: torch.device | str) -> TorchOps:
-    """Triton kernels on a CUDA device where Triton imports, PyTorch operators elsewhere."""
+    """Triton kernels on a CUDA device where Triton imports, packed oneDNN projections on a CPU, PyTorch operators
+    elsewhere."""
     return _ops_for(torch.device(device).type)
 
 
 @functools.cache
 def _ops_for(device_type: str) -> TorchOps:
+    if device_type == "cpu":
+        return CpuOps()
     if device_type != "cuda":
         return TORCH
     try:

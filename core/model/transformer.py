@@ -171,9 +171,9 @@ class Attention(nn.Module):
         if self.wqkv is not None:
             sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
             q, k, v = ops.normed_linear(x, norm.weight, norm.eps, self.wqkv, self.bqkv).split(sizes, dim=-1)
-        else:
+        else:  # through the ops, as the fused projection is (on a CPU they pack each weight once)
             h = norm(x, ops)
-            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+            q, k, v = (ops.linear(h, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(*lead, a.n_heads, a.head_dim)
         k = k.view(*lead, a.n_kv_heads, a.head_dim)
         v = v.view(*lead, a.n_kv_heads, a.head_dim)
@@ -207,7 +207,8 @@ class MLP(nn.Module):
         if self.w13 is not None:
             return ops.mlp(x, norm.weight, norm.eps, self.w13, self.down_proj.weight)
         h = norm(x, ops)
-        return ops.linear_add(x, F.silu(self.gate_proj(h)) * self.up_proj(h), self.down_proj.weight)
+        gate, up = ops.linear(h, self.gate_proj.weight), ops.linear(h, self.up_proj.weight)
+        return ops.linear_add(x, F.silu(gate) * up, self.down_proj.weight)
 
 
 class Block(nn.Module):
