@@ -69,6 +69,7 @@ if __name__ == "__main__":
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (core/__init__.py says why)
 try:  # ZeroGPU needs `spaces` imported before torch (imported below through the engine)
     import spaces  # noqa: F401
 except ImportError:

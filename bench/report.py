@@ -118,7 +118,8 @@ ABOUT = {
                           "code is `python -m distill`, see the draft's model card)."),
     "simulate": About("Method auto, simulated on every recorded regime", "bench.simulate replays each regime above "
                       "(its step costs and acceptances) round by round with noisy costs and drawn acceptances, after "
-                      "the engine's warm-up and a Compare click's autoregressive run: method auto over "
+                      "the engine's warm-up and a Compare click's autoregressive run (and, after another answer, "
+                      "from what an answer whose drafts matched more saw): method auto over "
                       "autoregressive decoding, over the best fixed plan in hindsight, and over the planner it "
                       "replaced (see [method-auto.md](method-auto.md#the-simulator-python--m-benchsimulate))."),
     "cpu-steps": About("What a step costs on this CPU, piece by piece", "The embedded model at ~8K tokens: a "
@@ -440,8 +441,10 @@ def figures(stem: str, data: dict) -> Iterator[str]:
                                                                          "attention_recall"))]
             for r in data["summary"]))
     elif stem == "simulate" and "regimes" in data:
-        yield from grid(["regime", "auto / AR", "auto / best fixed", "new / old planner", "best fixed plan"], (
-            [name, f"{r['auto_over_ar']:.2f}×", f"{r['auto_over_best_fixed']:.2f}", f"{r['new_over_old']:.3f}",
+        yield from grid(["regime", "auto / AR", "auto / best fixed", "new / old planner", "after another answer: "
+                         "auto / AR", "auto / best fixed", "new / old", "best fixed plan"], (
+            [name, *(f for s in (r, r["second_answer"]) for f in (
+                f"{s['auto_over_ar']:.2f}×", f"{s['auto_over_best_fixed']:.2f}", f"{s['new_over_old']:.3f}")),
              r["best_fixed"]] for name, r in data["regimes"].items()))
         yield ""
         yield ("What each profile assumes where no benchmark recorded a figure is listed under `assumed` in the "

@@ -489,10 +489,12 @@ def test_without_a_drafter_and_with_the_whole_prompt_in_budget_no_level_drafts()
 
 @pytest.mark.parametrize("profile", profiles(), ids=lambda p: p.name)
 def test_on_every_recorded_regime_auto_is_never_slower_than_autoregressive_nor_than_the_old_planner(profile):
-    """Simulated on each regime bench/results recorded (bench.simulate's seeds, deterministic): method auto keeps
-    within 3 % of autoregressive decoding where nothing pays, and of the planner it replaced everywhere."""
+    """Simulated on each regime bench/results recorded (bench.simulate's seeds, deterministic), on a first answer and
+    on one after another answer's luckier acceptances: method auto keeps within 3 % of autoregressive decoding where
+    nothing pays, and of the planner it replaced everywhere."""
     r = simulate(profile, seeds=20, tokens=128, fixed=False)
-    assert r["auto_over_ar"] >= 0.97 and r["new_over_old"] >= 0.97, r
+    for s in (r, r["second_answer"]):
+        assert s["auto_over_ar"] >= 0.97 and s["new_over_old"] >= 0.97, r
 
 
 # Inside the engine

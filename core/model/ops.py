@@ -169,9 +169,10 @@ class TritonOps(TorchOps):
     """CUDA decode steps through Triton kernels: split-K attention over the cache in place (lengths read from device
     memory), fused RoPE + store, RMSNorm, SwiGLU, a GEMV for every projection and the LM head (adding into the
     residual where one follows), and a chunk gather. Each computes a row of a k-row step exactly as a 1-row step
-    (core.model.kernels says how), so greedy TriForce is token-identical to autoregressive decoding. The drafting levels'
-    operators (`drafting()`) need no such match: their one-token steps fold each RMSNorm into the projection after
-    it and SwiGLU into the down projection (core.model.kernels.gemv_one). Longer inputs (prefill) keep cuBLAS and SDPA."""
+    (core.model.kernels says how), so greedy TriForce is token-identical to autoregressive decoding. The drafting
+    levels' operators (`drafting()`) need no such match: their one-token steps fold each RMSNorm into the projection
+    after it and SwiGLU into the down projection (core.model.kernels.gemv_one). Longer inputs (prefill) keep cuBLAS
+    and SDPA."""
 
     name = "triton"
     device_steps = True
