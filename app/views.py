@@ -22,9 +22,9 @@ REJECTED: dict[Rejection, tuple[str, str]] = {
 }
 SPANS = {"sink": ("attention sink", "#a78bfa"), "hot": ("kept by ≥ half of layer×heads", "#f97316"),
          "warm": ("kept by some heads", "#fde68a")}
+COMPARE_METHODS = ("ar", "triforce", "auto")  # Compare runs each, in this order, on the same input and seed
 # The checkboxes that switch an answer's overlays on, by the answer's element id; pure CSS (:has), so a switch is
 # instant, needs no request, and holds while a run streams new frames.
-COMPARE_METHODS = ("ar", "triforce", "auto")  # Compare runs each, in this order, on the same input and seed
 OVERLAYS = {"answer": ("colour-answer", "show-rejected"),
             **{f"compare-{method}": ("colour-compare", "compare-show-rejected") for method in COMPARE_METHODS}}
 OVERLAY_ALPHA = "55"  # the provenance colours behind the text, translucent
