@@ -13,15 +13,9 @@ from typing import Any
 
 import gradio as gr
 
-from core import GenerationConfig, TriForceError
-from core.decode.compare import difference_note, first_difference
-from core.events import Event, Finished, PromptReady, RetrievalSelection
-from core.io.inputs import gpu_only_note
-from core.io.prompting import document_fit
-
 from app.documents import DocumentError, load_samples, read_document
-from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap
 from app.explainer import CPU_NOTE, engine_table
+from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap
 from app.inference import (ModelLoadError, OutOfTime, counting_engine, load_engine, loaded_infos, preset_engine,
                            stream_events)
 from app.presets import PRESET_SETTINGS, Preset, panel_overrides, preset_by_name
@@ -29,8 +23,12 @@ from app.refusals import quote, quoted_in, refuse
 from app.service import Deadline, keep_upload, out_of_time_line, run_seconds
 from app.settings import build_config, parse, widget_args
 from app.state import RunState, apply_event, budget_share, live_stats, raw_data
-from app.views import (COMPARE_METHODS, METHOD_NAMES, SHORT_NAMES, answer_html, document_html, plan_line,
-                       run_heading, run_label, stats_for, stats_markdown, status_markdown, timeline_html)
+from app.views import (COMPARE_METHODS, METHOD_NAMES, SHORT_NAMES, answer_html, document_html, plan_line, run_heading,
+                       run_label, stats_for, stats_markdown, status_markdown, timeline_html)
+from core import GenerationConfig, TriForceError
+from core.decode import difference_note, first_difference
+from core.events import Event, Finished, PromptReady, RetrievalSelection
+from core.io import document_fit, gpu_only_note
 
 PLOT_INTERVAL_S = 0.25  # heatmap and document view: at most 4 updates per second
 TEXT_INTERVAL_S = 0.1  # answer, stats and status: at most 10 updates per second

@@ -6,12 +6,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.config import TriForceError
-from core.io.inputs import read_capped
-from core.io.prompting import MAX_DOCUMENT_CHARS
-
 from app.reader import Limits, Refused, read
 from app.refusals import quote
+from core.config import TriForceError
+from core.io import MAX_DOCUMENT_CHARS, read_capped
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "assets" / "docs"
 MAX_UPLOAD_BYTES = 10 * 1024 * 1024

@@ -22,12 +22,11 @@ except ImportError:
         """No-op stand-in for spaces.GPU off Hugging Face Spaces."""
         return fn
 
-from core import Engine, GenerationConfig, TriForceError
-from core.events import Event
-from core.io.inputs import gpu_memory_gib, note_gpu_only
-
 from app.presets import Preset
 from app.state import typed
+from core import Engine, GenerationConfig, TriForceError
+from core.events import Event
+from core.io import gpu_memory_gib, note_gpu_only
 
 ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")  # a ZeroGPU Space (spaces' own test)
 _RUN_LOCK = threading.Lock()  # one generation at a time, even while a cancelled run's last step finishes

@@ -13,8 +13,6 @@ from gradio.data_classes import FileData
 from pydantic import ValidationError
 from starlette.middleware import Middleware
 
-from core.io.loading import default_device
-
 from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, SAMPLES_DIR, SUPPORTED_SUFFIXES, Sample, load_samples
 from app.explainer import CPU_NOTE, EXPLANATION, python_snippet
@@ -25,6 +23,7 @@ from app.service import UploadBudget, serve
 from app.settings import build_panel, method_widget, widget_args
 from app.state import RunState
 from app.views import COLOURS, COMPARE_METHODS, METHOD_NAMES, answer_html, document_html, overlay_css
+from core.io import default_device
 
 UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
 UPLOAD_READERS = 4  # uploads read at once (a PDF or an HTML page each in a child process within app.reader's limits)

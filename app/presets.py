@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from core.config import settings
-from core.io.presets import EMBEDDED, PRESETS, Preset
+from core.io import EMBEDDED, PRESETS, Preset
 
 __all__ = ["CUSTOM", "EMBEDDED", "PRESETS", "PRESET_SETTINGS", "Preset", "all_presets", "default_preset",
            "env_preset", "panel_overrides", "preset_by_name"]

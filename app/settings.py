@@ -12,10 +12,9 @@ from typing import Any
 
 import gradio as gr
 
+from app.refusals import quote, quoted_in
 from core import GenerationConfig, TriForceError
 from core.config import Setting, settings, type_hints, value_types
-
-from app.refusals import quote, quoted_in
 
 SLIDER_SPAN = 64  # an integer setting whose range is at most this wide gets a slider, a wider one a number box
 RADIO_CHOICES = 4  # named choices up to this many are radio buttons, more a dropdown

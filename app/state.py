@@ -119,6 +119,8 @@ class RunState:
     rounds: list[RoundTrace] = field(default_factory=list)
     rejected: list[tuple[int, Rejection, str]] = field(default_factory=list)  # (answer index, rejection, text)
     level_ms: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # decode time of levels 1, 2 and 3
+    ar_steps: int = 0  # level-3 steps of rounds that drafted nothing (autoregressive) ...
+    ar_ms: float = 0.0  # ... and their time, part of level_ms[2]
     selection_s: float = 0.0  # time spent choosing the retrieval cache's chunks
     final_stats: Stats | None = None
     text: str = ""
@@ -222,12 +224,8 @@ def _tokens(state: RunState, ev: Tokens, now: float) -> None:
     if state.prefill_ended is None:
         state.prefill_ended = now
     start = len(state.pieces)
-    provenance = ev.provenance
     trace = state.rounds[-1] if state.rounds and state.rounds[-1].round == ev.round else None
-    # a round that drafted nothing (method auto's autoregressive plan) emits level 3's token alone: autoregressive
-    if trace is not None and not trace.proposed and not trace.steps:
-        provenance = ["target"] * len(ev.provenance)
-    state.pieces.extend(zip(ev.texts, provenance))
+    state.pieces.extend(zip(ev.texts, ev.provenance))
     state.token_ids.extend(ev.ids)
     if trace is not None:
         state.rejected += [(start + offset, rejection, text) for offset, rejection, text in trace.tried
@@ -275,6 +273,9 @@ def apply_event(state: RunState, event: Event, now: float | None = None) -> RunS
         case StepTiming():
             for level, ms in enumerate((event.level1_ms, event.level2_ms, event.level3_ms)):
                 state.level_ms[level] += ms
+            if not _drafted(state, event.round):  # a verification pass over many rows is not an AR step
+                state.ar_steps += 1
+                state.ar_ms += event.level3_ms
         case Tokens():
             _tokens(state, event, now)
         case Finished():
@@ -323,6 +324,12 @@ def live_stats(state: RunState, now: float | None = None) -> dict:
 LEVEL1_LABELS = {"model": "draft model + StreamingLLM cache", "ngram": "n-gram lookup in the text"}
 
 
+def _drafted(state: RunState, round_: int) -> bool:
+    """Whether round `round_` drafted anything for level 3 to verify."""
+    trace = next((trace for trace in reversed(state.rounds) if trace.round == round_), None)
+    return trace is not None and bool(trace.proposed or trace.steps)
+
+
 def level_costs(state: RunState) -> list[dict]:
     """Per level of the finished run: steps, time in total and per step, bytes one step reads (weights plus the
     level's KV cache as allocated) and share of the decode time; [] until the engine reports the end."""
@@ -338,11 +345,15 @@ def level_costs(state: RunState) -> list[dict]:
         rows = [] if s.drafter in ("", "none") else [
             ("level1", f"level 1: {LEVEL1_LABELS.get(s.drafter, s.drafter)}", s.level1_steps or level2_steps,
              state.level_ms[0], s.level1_weight_bytes + s.level1_cache_bytes)]
+        where = " (streamed from CPU memory)" if state.offloaded else ""
         rows += [("level2", "level 2: target + retrieval cache", level2_steps, state.level_ms[1],
                   weights + s.retrieval_cache_bytes),
-                 ("level3", "level 3: target + full cache" + (" (streamed from CPU memory)" if state.offloaded else ""),
-                  s.target_forwards, state.level_ms[2], weights + full),
-                 ("selection", "chunk selection", len(state.selection_rounds), state.selection_s * 1e3, None)]
+                 ("level3", "level 3: target + full cache, verifying drafts" + where,
+                  s.target_forwards - state.ar_steps, state.level_ms[2] - state.ar_ms, weights + full)]
+        if state.ar_steps:  # method auto's autoregressive rounds: one row each, apart from the passes verifying many
+            rows.append(("target", "autoregressive steps: target + full cache" + where, state.ar_steps, state.ar_ms,
+                         weights + full))
+        rows.append(("selection", "chunk selection", len(state.selection_rounds), state.selection_s * 1e3, None))
     total_ms = sum(row[3] for row in rows)
     return [{"key": key, "level": name, "steps": steps, "ms": ms, "ms_per_step": ms / steps if steps else None,
              "bytes_per_step": read, "share": ms / total_ms if total_ms else None}

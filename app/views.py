@@ -7,9 +7,8 @@ import html
 
 import numpy as np
 
-from core.events import PROVENANCE_LABELS
-
 from app.state import Rejection, RunState, live_stats
+from core.events import PROVENANCE_LABELS
 
 # Where an answer token came from (core.events.Provenance): its label (core's one vocabulary) and its colour, that of
 # its overlay in the answer and of its cell in the timeline.

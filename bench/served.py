@@ -113,6 +113,8 @@ def click(client, endpoint: str, document: str, preset: str, **settings) -> tupl
     """One click of /compare or /triforce (settings not given keep the panel's defaults): its last outputs and the
     bytes of the largest frame it streamed (every output of one update, as JSON: an upper bound of what the wire
     carried, which may send a frame as its difference from the one before)."""
+    if endpoint == "/compare":  # Compare runs every method: none is picked
+        settings = {k: v for k, v in settings.items() if k != "method"}
     job = client.submit(document=document, instruction=QUESTION, preset_name=preset, **settings, api_name=endpoint)
     list(job)
     frames = job.outputs()
@@ -120,7 +122,8 @@ def click(client, endpoint: str, document: str, preset: str, **settings) -> tupl
 
 
 def compare(client, document: str, preset: str, **settings) -> dict:
-    """One Compare click; returns its summary (speedup, both runs' stats, the method and its plans)."""
+    """One Compare click (autoregressive decoding, TriForce and method auto on the same input and seed); returns its
+    summary (each run's stats, what it ran, the speed-ups over AR)."""
     return click(client, "/compare", document, preset, **settings)[0][COMPARE_OUTPUTS.index("compare_json")]
 
 
@@ -169,13 +172,15 @@ def engine_replay(target: str | None, draft: str | None, document: str, clicks: 
     return figures
 
 
-def brief(summary: dict) -> dict:
-    """The figures of a Compare summary worth keeping."""
+def brief(summary: dict, method: str) -> dict:
+    """The figures of a Compare summary worth keeping: autoregressive decoding's and `method`'s (keys triforce_*:
+    the method beside AR, as the results have always named it), and its speed-up over AR."""
     keep = ("tokens_per_s", "new_tokens", "prompt_tokens", "prefill_s", "time_to_first_token_s", "warmup_s",
             "level1_acceptance", "level2_acceptance", "tokens_per_target_forward", "device", "dtype")
-    return {"speedup": summary["speedup"], "identical": summary["identical"],
-            **{f"{run}_{key}": summary[run].get(key) for run in ("ar", "triforce") for key in keep},
-            "plans": summary["triforce"].get("plans")}
+    runs = summary["runs"]
+    return {"speedup": summary["speedup"][method], "identical": summary["identical"][method],
+            **{f"{run}_{key}": runs[name].get(key) for run, name in (("ar", "ar"), ("triforce", method))
+               for key in keep}, "ran": runs[method].get("ran"), "plans": runs[method].get("plans")}
 
 
 def gpu(args: argparse.Namespace) -> None:
@@ -202,7 +207,7 @@ def gpu(args: argparse.Namespace) -> None:
         document = cut(load_tokenizer(target), args.doc_tokens)  # no weights in this process beside the app's
         for name, overrides in clicks:
             t0 = time.monotonic()
-            rows[name] = {**brief(compare(client, document, CUSTOM, **common, **overrides)),
+            rows[name] = {**brief(compare(client, document, CUSTOM, **common, **overrides), "triforce"),
                           "wall_s": time.monotonic() - t0}
             print(name, rows[name], flush=True)
             record()
@@ -411,7 +416,8 @@ def scale(args: argparse.Namespace) -> None:
             frames.append(biggest)
             rss.append(rss_mib(pid))
             if endpoint == "/compare":
-                rows[name] = {**brief(outputs[COMPARE_OUTPUTS.index("compare_json")]), "max_frame_bytes": biggest,
+                rows[name] = {**brief(outputs[COMPARE_OUTPUTS.index("compare_json")], args.method),
+                              "max_frame_bytes": biggest,
                               "wall_s": time.monotonic() - t0}
             print(name, f"{time.monotonic() - t0:.0f} s, largest frame {biggest:,} bytes, RSS {rss[-1]:.0f} MiB",
                   json.dumps(rows.get(name, {})), flush=True)
@@ -454,9 +460,9 @@ def planner(args: argparse.Namespace) -> None:
         for n in range(args.clicks):
             for sampling, overrides in (("greedy", {"greedy": True}), ("sampled", SAMPLED)):
                 summary = compare(client, document, EMBEDDED, **common, **overrides)
-                runs[f"{sampling} {n}"] = brief(summary)
-                print(sampling, n, f"auto / AR tokens/s {summary['speedup']:.3f}", summary["triforce"]["plans"],
-                      flush=True)
+                runs[f"{sampling} {n}"] = brief(summary, "auto")
+                print(sampling, n, f"auto / AR tokens/s {summary['speedup']['auto']:.3f}",
+                      summary["runs"]["auto"].get("plans"), flush=True)
     ratio = {s: [r["speedup"] for name, r in runs.items() if name.startswith(s)] for s in ("greedy", "sampled")}
     figures = {"cpu_embedded_greedy": sum(ratio["greedy"]) / len(ratio["greedy"]),
                "cpu_embedded_sampled": sum(ratio["sampled"]) / len(ratio["sampled"]),

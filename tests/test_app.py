@@ -383,8 +383,8 @@ def test_a_plan_the_planner_chooses_is_said_in_one_line_and_marked_on_the_timeli
     apply_event(state, PlanChosen(2, "autoregressive", "expected 1.12× autoregressive", "", False, 0, 0))
     for round_ in (2, 3, 4):
         apply_event(state, verdict_event(3, round_, "", 0, bonus=True))
-        apply_event(state, tokens_event(["q"], ["level3"], round_))
-    # a round that drafted nothing is an autoregressive step, and its token says so (not "level-3 correction/bonus")
+        apply_event(state, tokens_event(["q"], ["target"], round_))  # the engine's provenance for a round that
+        # drafted nothing: an autoregressive step, and its token says so (not "level-3 correction/bonus")
     assert [provenance for _, provenance in state.pieces][-4:] == ["level3", "target", "target", "target"]
     assert PROVENANCE["target"][0] == "autoregressive" and ("p-target", "qqq") in answer_parts(answer_html(state))
     c = state.counts
@@ -433,6 +433,20 @@ def test_level_costs_of_a_finished_run() -> None:
     assert len(figure.data) == 3 and len(figure.data[0].y) == 5 and len(figure.data[2].y) == 4
     assert "2.50 tokens per target forward" in figure.layout.title.text
     assert_valid_plotly(figure)
+
+
+def test_the_autoregressive_steps_of_an_auto_run_are_costed_apart_from_its_verification_passes() -> None:
+    """A pass verifying many drafts costs more than a one-token step: their average would read as a dear
+    autoregressive step. A round that drafted nothing is costed as an autoregressive step, apart."""
+    state = RunState(method="auto")
+    for ev in (verdict_event(2, 0, "ab", 1), verdict_event(3, 0, "ab", 2, True), verdict_event(3, 1, "", 0, True)):
+        apply_event(state, ev)
+    apply_event(state, StepTiming(0, 1.0, 2.0, 9.0, 0.0, 3))
+    apply_event(state, StepTiming(1, 0.0, 0.0, 4.0, 0.0, 1))
+    apply_event(state, finished_event(drafter="none", target_forwards=2, target_weight_bytes=10, cache_bytes=5))
+    rows = {row["key"]: row for row in level_costs(state)}
+    assert (rows["level3"]["steps"], rows["level3"]["ms"]) == (1, 9.0)
+    assert (rows["target"]["steps"], rows["target"]["ms_per_step"]) == (1, 4.0)
 
 
 def test_an_autoregressive_table_shows_a_dash_for_what_does_not_apply() -> None:
@@ -666,14 +680,14 @@ def test_what_ran_names_an_auto_run_that_decoded_autoregressively_as_such() -> N
     apply_event(auto, PlanChosen(1, "autoregressive", "expected 1.02× autoregressive", "", False, 0, 0))
     for round_ in (1, 2):
         apply_event(auto, verdict_event(3, round_, "", 0, bonus=True))
-        apply_event(auto, tokens_event(["q"], ["level3"], round_))
+        apply_event(auto, tokens_event(["q"], ["target"], round_))
     assert what_ran(auto) == "levels 1 → 2 → 3, then autoregressive (2 of 6 tokens autoregressive)"
     assert run_label(auto) == "auto: 2/6 tokens AR"
     assert run_heading(auto).startswith("**Method auto") and "then autoregressive (2 of 6" in run_heading(auto)
     plain = RunState(method="auto")
     apply_event(plain, PlanChosen(0, "autoregressive", "measuring an autoregressive step", "", False, 0, 0))
     apply_event(plain, verdict_event(3, 0, "", 0, bonus=True))
-    apply_event(plain, tokens_event(["q"], ["level3"], 0))
+    apply_event(plain, tokens_event(["q"], ["target"], 0))
     assert what_ran(plain) == "autoregressive throughout" and run_label(plain) == "auto: autoregressive"
     assert run_label(RunState(method="triforce")) == "TriForce" and what_ran(RunState(method="ar")) == \
         "autoregressive"

@@ -24,13 +24,10 @@ from core.io.loading import device_and_dtype, load_config
 from core.model.transformer import ModelArgs
 from core.model.parallel import TensorParallel, capacity, check_split, joined, launch
 from core.io.presets import PRESETS, Preset, by_id, installable, preset_config, resolve_preset
-from core.cli.progress import Progress
+from core.cli.progress import ANSI_COLOURS, LEGEND, Progress
 from core.io.prompting import MAX_DOCUMENT_CHARS, check_text
 
-COLOURS = {"draft": "\033[32m", "copy": "\033[36m", "level2": "\033[33m", "level3": "\033[35m", "target": ""}
 RESET = "\033[0m"
-LEGEND = "green: level-1 draft accepted  cyan: level-1 copy accepted  yellow: level-2 sample  magenta: level-3 " \
-    "correction/bonus"
 
 
 def add_settings(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -126,7 +123,8 @@ def _run(engine: Engine, document: str, args, cfg: GenerationConfig, show: bool,
         if show and isinstance(event, Tokens):
             colour = sys.stdout.isatty()
             for text, prov in zip(event.texts, event.provenance):
-                sys.stdout.write(f"{COLOURS[prov]}{text}{RESET}" if colour and COLOURS[prov] else text)
+                code = ANSI_COLOURS.get(prov, ("", ""))[0]
+                sys.stdout.write(f"{code}{text}{RESET}" if colour and code else text)
             sys.stdout.flush()
         if isinstance(event, Finished):
             return event

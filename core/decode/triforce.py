@@ -85,7 +85,8 @@ class TriForce:
             if self.policy.in_passing:
                 record.in_passing = self.shadow(h, seq, emitted)
             seq += emitted
-            yield self.out.add(emitted, draft.provenance[:accepted] + ["level3"], round_)
+            # level 3's correction or bonus token; nothing drafted, it is the autoregressive step's own
+            yield self.out.add(emitted, draft.provenance[:accepted] + ["level3" if draft.tokens else "target"], round_)
             if record.reselect and not self.out.done:
                 yield self.reselect(accepted, round_, len(seq) - 1, record)
             self.policy.observe(record)
