@@ -13,7 +13,8 @@ from typing import Any
 
 import gradio as gr
 
-SHOWN_CHARS = 60  # of a value's repr in a message; the rest becomes "…"
+from core.config import brief
+
 LOGGED_CHARS = 500  # of a refusal's message in the log
 # Characters that HTML or Markdown read as markup, written as numeric character references: both render a reference
 # as the character itself, never as markup (a Markdown link or image needs a literal "[", an autolink a literal ":" or
@@ -23,7 +24,7 @@ BARE_WWW = re.compile(r"(www)\.", re.IGNORECASE)  # GFM links "www.host" without
 log = logging.getLogger("triforce.refusals")
 
 
-def cut(text: str, limit: int = SHOWN_CHARS) -> str:
+def cut(text: str, limit: int) -> str:
     """`text` up to `limit` characters, "…" in place of the rest."""
     return text if len(text) <= limit else text[:limit] + "…"
 
@@ -34,18 +35,17 @@ def inert(text: str) -> str:
 
 
 def quote(value: Any) -> str:
-    """A value a visitor gave, as a message shows it: its repr cut to SHOWN_CHARS characters, inert. A long string is
-    cut before its repr is taken (a million characters are not copied to show sixty)."""
-    if isinstance(value, (str, bytes)):
-        value = value[:SHOWN_CHARS + 1]
-    return inert(cut(repr(value)))
+    """A value a visitor gave, as a message shows it: cut short as the engine's refusals show it (core.config.brief),
+    inert."""
+    return inert(brief(value))
 
 
 def quoted_in(message: str, *values: Any) -> str:
-    """`message` (another module's, naming values as their repr) with each of `values` shown quoted instead."""
+    """`message` (another module's, naming values cut short or as their repr) with each of `values` quoted instead."""
     for value in values:
-        if (shown := repr(value)) in message and shown != quote(value):
-            message = message.replace(shown, quote(value))
+        for shown in (repr(value), brief(value)):
+            if shown in message and shown != quote(value):
+                message = message.replace(shown, quote(value))
     return message
 
 

@@ -170,6 +170,14 @@ def running(job) -> None:
         time.sleep(0.02)
 
 
+def queued(job) -> None:
+    """Wait until `job` is admitted behind another: its client has been told its place in the queue."""
+    started = time.monotonic()
+    while not any("ahead of yours" in line for line in logs(job)):
+        assert time.monotonic() - started < HANG_S, job.status()
+        time.sleep(0.02)
+
+
 def logs(job) -> list[str]:
     """The toasts (gr.Info and the like) a job's client received."""
     updates = job.communicator.updates
@@ -206,6 +214,7 @@ def test_a_full_queue_refuses_in_one_line_with_the_wait(url: str, monkeypatch) -
     long = first.submit(**run_kwargs(**LONG), api_name="/triforce")
     running(long)
     waiting = second.submit(**run_kwargs(), api_name="/triforce")
+    queued(waiting)
     with pytest.raises(AppError) as refused:
         third.predict(**run_kwargs(), api_name="/triforce")
     assert str(refused.value).startswith("The queue is full (1 run waiting for the one device): a place frees in ")

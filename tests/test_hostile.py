@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from core.cli.main import main
-from core.config import TriForceError
+from core.config import BRIEF_CHARS, TriForceError
 from core.io.loading import load_tokenizer
 from core.io.prompting import MAX_DOCUMENT_CHARS
 
 from app.documents import DocumentError, read_document
 from app.reader import Limits, Refused, extract_pdf, read
 from app.presets import CUSTOM, EMBEDDED
-from app.refusals import SHOWN_CHARS, quote
+from app.refusals import quote
 from app.settings import app_settings, build_config
 from tests.pdfs import bomb_pdf, pages_pdf, slow_pdf, text_pdf
 from tests.served import served
@@ -467,7 +467,7 @@ def assert_shown_as_text(markup: str, value: str) -> None:
 def test_a_quoted_value_is_short_and_renders_as_its_text() -> None:
     long = HOSTILE + "x" * 1_000_000
     shown = quote(long)
-    assert html.unescape(shown) == repr(long)[:SHOWN_CHARS] + "…"
+    assert html.unescape(shown) == repr(long)[:BRIEF_CHARS] + "…"
     assert not re.search(r"[<>\[\]():@`*_]", shown) and "www." not in shown.lower()  # no markup left to read
     assert_shown_as_text(rendered(f"⚠️ got {shown}"), long)  # as Markdown
     assert_shown_as_text(f"<div>got {shown}</div>", long)  # as a toast's HTML
@@ -480,7 +480,7 @@ def test_a_settings_refusal_shows_the_value_short_and_inert(name: str) -> None:
         build_config("triforce", {name: value})
     message = str(refused.value)
     assert len(message) < 300 and len(message.splitlines()) == 1, message
-    assert html.unescape(repr(value)[:SHOWN_CHARS]) in html.unescape(message)
+    assert html.unescape(repr(value)[:BRIEF_CHARS]) in html.unescape(message)
     assert not re.search(r"[<\[]|http:", message), message
 
 

@@ -238,4 +238,5 @@ def test_prompt_ready_says_where_each_cache_lives(engine):
     with torch.no_grad():
         ready = next(e for e in engine.generate_ids(PROMPT, cfg) if isinstance(e, PromptReady))
     assert ready.offloaded and ready.caches["full KV cache"]["where"] == "CPU"
-    assert ready.caches["retrieval cache"]["where"] == "GPU"
+    # the device's caches are a GPU's where there is one; offloading on a CPU exercises the streaming code only
+    assert ready.caches["retrieval cache"]["where"] == ("GPU" if engine.target.device.type == "cuda" else "CPU")

@@ -301,32 +301,39 @@ class CostBook:
         step's cost is its sampling's); else (None, False). A key is (..., Regime, ...): its Regime is compared."""
         if key in table:
             return table[key], False
+        others = CostBook._others(table, key, document)
+        return (table[others[0]], True) if others else (None, False)
+
+    @staticmethod
+    def _others(table: dict[tuple, T], key: tuple, document: bool = False) -> list[tuple]:
+        """The keys of `table` of other kinds alike in all but prompt length and sampling, nearest first (as
+        _nearest weighs them)."""
         at = next(i for i, part in enumerate(key) if isinstance(part, Regime))
         mine = key[at]
 
         def alike(k: tuple) -> bool:
-            return len(k) == len(key) and k[:at] + k[at + 1:] == key[:at] + key[at + 1:] and \
+            return k != key and len(k) == len(key) and k[:at] + k[at + 1:] == key[:at] + key[at + 1:] and \
                 k[at].offloaded == mine.offloaded
 
         def distance(k: tuple) -> tuple:
             length, sampling = abs(k[at].length - mine.length), k[at].greedy != mine.greedy
             return (length, sampling) if document else (sampling, length)
 
-        nearest = min((k for k in table if alike(k)), key=distance, default=None)
-        return (table[nearest], True) if nearest is not None else (None, False)
+        return sorted((k for k in table if alike(k)), key=distance)
 
     def estimates(self, regime: Regime, budget: int, drafters: Iterable[str] = (), shadowed: Iterable[str] = (),
                   level2_cuts: bool = True) -> Estimates:
-        """A run's starting knowledge: each kind of step's samples of its own kind of run, over a prior from the
-        nearest kind's line; acceptances carried from the nearest kind of run (a drafter measured in passing by
+        """A run's starting knowledge: each kind of step's samples of its own kind of run, over a prior from the other
+        kinds' lines, the nearest's first (what it lacks, a farther one's gives: a slope, a one-row step's cost); acceptances carried from the nearest kind of run (a drafter measured in passing by
         every run, `shadowed`, borrows the lower of the two nearest kinds': how often an answer quotes the document
         depends on the sampling too, and a guess too low costs little while the run measures it anyway)."""
         e = Estimates(level2_cuts=level2_cuts)
         for kind in STEP_KINDS:
             key = (kind, regime) if kind == "level3" else (kind, regime, budget)
-            own = self.steps.get(key)
-            near, _ = self._nearest({k: v for k, v in self.steps.items() if k != key}, key)
-            e.curves[kind] = StepCurve(StepCurve(samples=near).line() if near else None, own)
+            prior = None  # each other kind's line over the next nearer one's: what one lacks, a farther one gives
+            for other in reversed(self._others(self.steps, key)):
+                prior = StepCurve(prior, self.steps[other]).line()
+            e.curves[kind] = StepCurve(prior, self.steps.get(key))
         if (windows := self.windows.get((regime, budget))) is not None:
             e.overhead, e.post = Window(windows[0]), Window(windows[1])
         seen, far = self._nearest(self.acceptance, (regime, budget), document=True)
