@@ -106,9 +106,11 @@ def save(name: str, payload: dict) -> Path:
 
 
 def merge_summary(name: str, section: str, figures: dict) -> Path:
-    """Add `figures` to summary[section] of the results file `name` (several benchmarks each add theirs; the command
-    and date of each addition are kept, and a source's keys once a later one replaced them all), and save it."""
-    data = earlier_today(result_path(name)) or {"summary": {}, "sources": []}
+    """Add `figures` to summary[section] of the results file `name` (several benchmarks each add theirs, on whatever
+    day: each key keeps the command and date of the source that wrote it last, and a source goes once later ones
+    replaced all its keys), and save it."""
+    path = result_path(name)
+    data = json.loads(path.read_text()) if path.exists() else {"summary": {}, "sources": []}
     merged = data["summary"].setdefault(section, {})
     for key, value in figures.items():
         merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value

@@ -177,9 +177,7 @@ def cpu_profile() -> list[Profile]:
                                             model["level1_acceptance"], 1.0, False),
                             "ngram": Level1(0.05, ngram["level1_acceptance"], ngram["level1_acceptance"], 0.7, True)},
                            none["level2_acceptance"], greedy=greedy, prompt_tokens=8000, linear=True,
-                           assumed=["a draft-model token's ms as bench.cpu measured it, before the CPU's projections "
-                                    "went through oneDNN (an overestimate)",
-                                    "prompt lookup proposes for 0.7 of tokens asked, 0.05 ms a token",
+                           assumed=["prompt lookup proposes for 0.7 of tokens asked, 0.05 ms a token",
                                     "level 3 beyond 7 rows on along its last segment (a CPU forward is compute-bound)"]))
     return out
 

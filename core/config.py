@@ -197,7 +197,10 @@ BRIEF_CHARS = 60  # the most of a refused value a message repeats: enough to rec
 
 
 def brief(value: Any) -> str:
-    """A refused value as a message shows it: its repr, cut to BRIEF_CHARS characters and an ellipsis."""
+    """A refused value as a message shows it: its repr, cut to BRIEF_CHARS characters and an ellipsis (a long string
+    is cut before its repr is taken: a million characters are not copied to show sixty)."""
+    if isinstance(value, (str, bytes)):
+        value = value[:BRIEF_CHARS + 1]
     text = repr(value)
     return text if len(text) <= BRIEF_CHARS else text[:BRIEF_CHARS] + "…"
 
