@@ -17,15 +17,14 @@ acceptances a standard deviation below what it has seen (CAUTION): what little i
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Sequence, TypeVar
 
-from core.decode.round import AUTOREGRESSIVE, DRAFTER_NAMES as LEVEL1_NAMES, Hierarchy
+from core.decode.round import AUTOREGRESSIVE, Hierarchy
 from core.plan.cost import candidates
-from core.plan.estimate import Estimate, carried, prior
+from core.plan.estimate import Drafting, Estimate, carried, prior
 
 T = TypeVar("T")
 
@@ -154,52 +153,6 @@ class Costs:
                 if ms is not None]
 
 
-@dataclass
-class Drafting:
-    """What one level-1 drafter has shown: its milliseconds per token asked of it (None until measured), the
-    acceptance of its tokens at level 2 (a1) and at level 3 directly (a13: a1 until measured), and the share of
-    asked tokens it proposes (prompt lookup proposes nothing without a match). `samples`: (ms, tokens asked) of its
-    latest rounds."""
-
-    ms: float | None = None
-    a1: Estimate = field(default_factory=lambda: prior(0.5))
-    a13: Estimate | None = None
-    offered: Estimate = field(default_factory=lambda: prior(1.0))
-    samples: deque = field(default_factory=lambda: deque(maxlen=RECENT), repr=False)
-
-    def timed(self, asked: int, ms: float) -> None:
-        """One round's time for the tokens it was asked for (proposed or not: looking costs all the same)."""
-        self.samples.append((ms, asked))
-        self.ms = _pooled(self.samples)
-
-    def checked(self, by: int, asked: int, proposed: int, accepted: int) -> None:
-        """Asked for `asked` tokens it proposed `proposed`, of which level `by` (2, or 3 directly) accepted
-        `accepted`."""
-        self.offered.verified += asked
-        self.offered.accepted += proposed
-        if by == 2:
-            self.a1.add(proposed, accepted)
-            return
-        if self.a13 is None:
-            self.a13 = Estimate(self.a1.verified, self.a1.accepted)
-        self.a13.add(proposed, accepted)
-
-    def shadowed(self, asked: int, proposed: int, accepted: int) -> None:
-        """What it would have proposed, checked against the tokens level 3 emitted (see TriForce.shadow); it stands
-        in for both acceptances, level 2 being the target on most of the same context."""
-        if self.a13 is None:
-            self.a13 = Estimate(self.a1.verified, self.a1.accepted)
-        self.offered.verified += asked
-        self.offered.accepted += proposed
-        self.a1.add(proposed, accepted)
-        self.a13.add(proposed, accepted)
-
-    def observed(self) -> dict[str, Estimate]:
-        """The acceptances it observed (not priors), by field name: what a next run of its kind starts from."""
-        return {name: copy.copy(a) for name in ("a1", "a13", "offered")
-                if (a := getattr(self, name)) is not None and a.verified > PRIOR_WEIGHT}
-
-
 class CostBook:
     """What earlier runs of one engine measured, so that a run starts from it: step costs (their recent samples too)
     and the acceptances a run of the same kind ended with (as priors: a second run on a document starts from what
@@ -323,15 +276,6 @@ def _sample(windows: dict, figure: str | int, ms: float) -> float:
     window = windows.setdefault(figure, deque(maxlen=RECENT))
     window.append(ms)
     return statistics.median_low(window)
-
-
-def _pooled(window: deque) -> float:
-    """The time per count over a window of (ms, count) rounds, less its costliest round once it holds three. A
-    level-1 token's cost is a mix -- a copied one costs next to nothing, one the draft model makes costs a forward --
-    which a median of rounds would read as the commoner kind alone; leaving out one round still keeps a single stall
-    from steering it."""
-    kept = sorted(window, key=lambda r: r[0] / r[1])[:-1] if len(window) >= 3 else window
-    return sum(m for m, _ in kept) / sum(c for _, c in kept)
 
 
 def expected_tokens(alpha: float, gamma: float) -> float:

@@ -29,7 +29,7 @@ from bench import legacy_planner as old
 from bench.common import RESULTS, environment, save
 from core.config import AUTO_GAMMA2
 from core.decode import AUTOREGRESSIVE, SHADOW_GAMMA, Forwards, Hierarchy, RoundRecord
-from core.plan import Auto, CostBook, Drafter, Figures, Fixed, Line, Regime, best, candidates, rate
+from core.plan import Auto, CostBook, Drafter, Figures, Fixed, Line, Regime, candidates, rate
 
 GAMMA1 = 2  # GenerationConfig's default γ1: auto's longest level-1 draft per level-2 check
 SIGMA = 0.05  # lognormal jitter of a measured step (a few % between two runs of one plan on the H200)
