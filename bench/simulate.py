@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from bench import legacy_planner as old
 from bench.common import RESULTS, environment, save
 from core.config import AUTO_GAMMA2
-from core.decode import AUTOREGRESSIVE, SHADOW_GAMMA, Forwards, Hierarchy, RoundRecord
+from core.decode import AUTOREGRESSIVE, SHADOW_GAMMA, Draft, Forwards, Hierarchy, RoundRecord
 from core.plan import Auto, CostBook, Drafter, Figures, Fixed, Line, Regime, candidates, rate
 
 GAMMA1 = 2  # GenerationConfig's default γ1: auto's longest level-1 draft per level-2 check
@@ -254,32 +254,32 @@ class Simulator:
             k += 1
         return k
 
-    def drafting(self, h: Hierarchy, want: int, beside: bool) -> tuple[RoundRecord, int]:
-        """Level 2's (or level 1's) draft of `want` tokens: a record of what it took and the tokens drafted."""
-        p, r = self.prof, RoundRecord(h)
+    def drafting(self, h: Hierarchy, want: int, slow: float = 1.0) -> tuple[Draft, int]:
+        """Level 2's (or level 1's) draft of `want` tokens, its level-2 forwards `slow`er than alone: what drafting
+        it took, as the engine's Draft holds it, and the tokens drafted."""
+        p, draft = self.prof, Draft()
         d = p.drafters.get(h.level1)
-        slow = p.beside if beside else 1.0
         if not h.level2:  # level 1 for level 3 directly (nothing drafted: autoregressive)
             proposed = want if d and self.rng.random() < d.offered else 0
             if d and want:
-                r.level1_asked, r.level1_ms = want, self.cost(want * d.ms)
-            return r, proposed
+                draft.asked, draft.level1_s = want, self.cost(want * d.ms) / 1e3
+            return draft, proposed
         if d is None and p.chained is not None:
-            r.level2.append(Forwards(want, 1, self.cost(want * p.chained * slow), chained=True, beside=beside))
-            return r, want
+            draft.forwards.append(Forwards(want, 1, self.cost(want * p.chained * slow), chained=True))
+            return draft, want
         tokens = 0
         while tokens < want:
             asked = min(h.gamma1, want - tokens) if d else 0
             proposed = asked if d and self.rng.random() < d.offered else 0
             kept = self.accepted(d.a1, proposed, 1, self.done + tokens) if d else 0
             if asked:
-                r.level1_asked += asked
-                r.level1_ms += self.cost(asked * d.ms)
-                r.level1_checks.append((2, asked, proposed, kept))
+                draft.asked += asked
+                draft.level1_s += self.cost(asked * d.ms) / 1e3
+                draft.checks.append((asked, proposed, kept))
             ms = p.level2_one + (p.level2 - p.level2_one) * proposed / GAMMA1
-            r.level2.append(Forwards(1, proposed + 1, self.cost(ms * slow), beside=beside))
+            draft.forwards.append(Forwards(1, proposed + 1, self.cost(ms * slow)))
             tokens += kept + 1
-        return r, min(tokens, want)
+        return draft, min(tokens, want)
 
     def run(self, policy, tokens: int) -> tuple[int, float]:
         """A run of `tokens` new tokens: (tokens emitted, decoding milliseconds)."""
@@ -288,10 +288,12 @@ class Simulator:
         while done < tokens:
             h = policy.choose()
             want = min(h.gamma2, tokens - done)
+            record = RoundRecord(h)
             if ready is not None and ready == h:
-                record, drafted = RoundRecord(h), want
+                drafted = want  # its drafting is in the record of the round that made it
             else:
-                record, drafted = self.drafting(h, want, False)
+                draft, drafted = self.drafting(h, want)
+                record.took(draft)
             if h.level2:
                 record.sync_ms = self.cost(p.overhead)
             d = p.drafters.get(h.level1)
@@ -306,12 +308,10 @@ class Simulator:
             after = min(h.gamma2, tokens - done - drafted - 1)
             ready, emitted = None, accepted + 1
             if h.ahead and drafted and after > 0:
-                made, _ = self.drafting(h, after + 1, True)  # the guess and the next round's draft, beside the pass
-                pass_ms = step - p.post
-                beside_ms = sum(f.ms for f in made.level2) + made.level1_ms
-                record.level3_wall_ms = max(pass_ms, beside_ms) + p.post
+                made, _ = self.drafting(h, after + 1, p.beside)  # the guess and the next draft, beside the pass
+                record.level3_wall_ms = max(step - p.post, (made.level1_s + made.level2_s) * 1e3) + p.post
                 record.level3_ms, record.post_ms = step, p.post
-                _took(record, made)
+                record.took(made, beside=True)
                 if accepted == drafted:
                     record.guess = self.u[4][(done + drafted) % len(self.u[4])] < p.a2
                     ready = h if record.guess else None
@@ -335,14 +335,6 @@ class Simulator:
                 kept = self.accepted(d.a13, min(proposed, emitted), 1, self.done)
                 out[name] = ([(SHADOW_GAMMA, proposed, kept)], 0.01)
         return out
-
-
-def _took(record: RoundRecord, made: RoundRecord) -> None:
-    """Add the drafting made beside level 3's pass to a round's record."""
-    record.level1_asked += made.level1_asked
-    record.level1_beside_ms += made.level1_ms
-    record.level2 += made.level2
-    record.level1_checks += made.level1_checks
 
 
 # The engine's warm-up on a short text (about 700 tokens) before a first request, as the cost book sees it: TriForce

@@ -21,10 +21,12 @@ class Repetition:
         self.penalty, self.ngram = cfg.repetition_penalty, cfg.no_repeat_ngram_size
         self.vocab_size, self.start = vocab_size, start
         self.ids = torch.empty(0, dtype=torch.long, device=device)  # seq[start:start + len(ids)] on the device
+        self.active = self.applies(cfg)
 
-    @property
-    def active(self) -> bool:
-        return self.penalty != 1.0 or self.ngram > 0
+    @staticmethod
+    def applies(cfg: GenerationConfig) -> bool:
+        """Whether settings `cfg` ask for any repetition control."""
+        return cfg.repetition_penalty != 1.0 or cfg.no_repeat_ngram_size > 0
 
     def __call__(self, logits: torch.Tensor, seq: Sequence[int], extra: Sequence[int] = (),
                  columns: torch.Tensor | None = None) -> torch.Tensor:

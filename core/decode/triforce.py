@@ -35,7 +35,7 @@ SHADOW_GAMMA = 4  # tokens a drafter is asked for in passing: within the γs aut
 def chains(cfg: GenerationConfig) -> bool:
     """Whether level 2 drafting alone chains its forwards on the device (TriForce.draft_alone): not where repetition
     control must see each drafted id on the host, nor where tensor-parallel ranks must agree on each draw."""
-    return not Repetition(cfg, 1, torch.device("cpu"), 0).active and parallel.ACTIVE is None
+    return not Repetition.applies(cfg) and parallel.ACTIVE is None
 
 
 class TriForce:

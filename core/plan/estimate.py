@@ -105,6 +105,11 @@ def fit(points: dict[int, tuple[float, int]], prior: Line | None) -> Line | None
     return Line(fixed, per_row, saving, spans, max(max(points), prior.largest if prior is not None else 1))
 
 
+def points(samples: dict[int, deque]) -> dict[int, tuple[float, int]]:
+    """Each measured size's cost, the low median of its samples (a stall only ever adds time), and their count."""
+    return {rows: (statistics.median_low(w), len(w)) for rows, w in samples.items()}
+
+
 class StepCurve:
     """Milliseconds of one kind of step, by the rows it feeds: the RECENT latest samples of each size, each size's
     cost their low median (one stalled step, a GC pause or a busy CPU, only ever adds time), and the line fitted to
@@ -123,8 +128,7 @@ class StepCurve:
     def line(self) -> Line | None:
         """The fitted line (None while nothing is known)."""
         if not self._fresh:
-            points = {rows: (statistics.median_low(w), len(w)) for rows, w in self.samples.items()}
-            self._line, self._fresh = fit(points, self.prior), True
+            self._line, self._fresh = fit(points(self.samples), self.prior), True
         return self._line
 
     @property
@@ -332,7 +336,7 @@ class CostBook:
             key = (kind, regime) if kind == "level3" else (kind, regime, budget)
             prior = None  # each other kind's line over the next nearer one's: what one lacks, a farther one gives
             for other in reversed(self._others(self.steps, key)):
-                prior = StepCurve(prior, self.steps[other]).line()
+                prior = fit(points(self.steps[other]), prior)
             e.curves[kind] = StepCurve(prior, self.steps.get(key))
         if (windows := self.windows.get((regime, budget))) is not None:
             e.overhead, e.post = Window(windows[0]), Window(windows[1])
@@ -374,7 +378,7 @@ class CostBook:
     def figures(self) -> list[float]:
         """Every cost the book would weigh, in milliseconds: each step size's (its samples' low median) and each
         drafter's per token."""
-        return [statistics.median_low(w) for samples in self.steps.values() for w in samples.values()] + \
+        return [ms for samples in self.steps.values() for ms, _ in points(samples).values()] + \
             [d.ms for d in self.drafting.values() if d.ms is not None]
 
 
