@@ -17,6 +17,11 @@ SEED_LIMIT = 2**63  # torch generators take seeds below this
 # computes each row as a one-token step would (batch-invariant kernels); a longer input is fed in pieces of this size.
 DECODE_TOKENS = 32
 AUTO_GAMMA2 = DECODE_TOKENS - 1  # method auto's longest level-3 draft: its γ2 + 1 rows fill one decode step
+# A batch decodes SEATS requests together unless told otherwise, at most MAX_SLOTS (the paper batches up to 10), as
+# memory allows; its steps feed at most DECODE_TOKENS rows per request, each row computed as a one-row step.
+SEATS = 8
+MAX_SLOTS = 16
+BATCH_TOKENS = MAX_SLOTS * DECODE_TOKENS
 
 
 class TriForceError(ValueError):

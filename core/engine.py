@@ -7,13 +7,14 @@ import platform
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 import torch
 import transformers
 
+from core.batching import BatchRun, Request, Tagged
 from core.decode.autoregressive import Autoregressive
-from core.config import AUTO_GAMMA2, GenerationConfig, TriForceError
+from core.config import AUTO_GAMMA2, SEATS, GenerationConfig, TriForceError
 from core.decode.graphs import Graphs
 from core.decode.drafters import DraftContext, Drafter, drafter_names, make_drafters
 from core.events import Event, Finished, Footprint, Loading, PrefillProgress, PromptReady, Stats
@@ -177,6 +178,25 @@ class Engine:
                                 f"{self.context_length}-token context")
         return self.memory.during(self._events(Prompt(list(ids), len(ids), 0), cfg, stop))
 
+    def generate_many(self, requests: Iterable[Request], slots: int = SEATS) -> Iterator[Tagged]:
+        """Events of several generations decoded together in one batch of at most `slots` (core.batching), each
+        tagged with its request's key and each request's answer what it would be alone (greedy: the same tokens);
+        bad input in any request raises TriForceError before anything is computed. Requests wait in line for a
+        seat and for device memory."""
+        run = BatchRun(self, slots)
+        for request in requests:
+            run.submit(request)
+        return self._batched(run)
+
+    @staticmethod
+    def _batched(run: BatchRun) -> Iterator[Tagged]:
+        while run.busy:
+            yield from run.step()
+
+    def prefill_chunk(self) -> int:
+        """Tokens per prefill forward of this engine's target (default_prefill_chunk)."""
+        return default_prefill_chunk(self.target, self.memory.limit)
+
     def warm_up(self, new_tokens: int = 128) -> list[Stats]:
         """Run AR, greedy and sampled TriForce and method auto once on a short sample text, so that the kernels a GPU
         compiles on first use (Triton, cuBLAS) are ready before a first request, and method auto's cost book holds
@@ -291,7 +311,7 @@ class Engine:
                                   cache_bytes=full.nbytes, reused=True)
             return
         full.truncate(0)
-        chunk = cfg.prefill_chunk or default_prefill_chunk(self.target, self.memory.limit)
+        chunk = cfg.prefill_chunk or self.prefill_chunk()
         for done in target.prefill(body, chunk, record=1, stop=stop):
             yield PrefillProgress(done=done, total=len(body), seconds=time.perf_counter() - t0, cache_bytes=full.nbytes)
         self.memory.kept = Prefilled(list(ids), full, target.queries)

@@ -225,6 +225,7 @@ class Stats(Acceptance):
     plans: list[str] = field(default_factory=list)  # method auto: the hierarchies chosen, in order
     ahead_made: int = 0  # next-round drafts level 2 made while level 3 verified
     ahead_kept: int = 0  # ... and those a round used
+    shared_with: int = 0  # the most other requests decoded beside it in one batched round (0: it ran alone)
 
     @classmethod
     def of(cls, footprint: Footprint, **figures) -> "Stats":

@@ -75,11 +75,48 @@ class Graphs:
         return g.hidden.clone(), list(g.queries)
 
 
-def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int, record: int, ops: TorchOps
+class RaggedGraphs:
+    """The graphs of a batch's steps (core.cache.ragged.Ragged): one per set of caches, rows each and rows recorded,
+    the latest KEPT_RAGGED kept (requests join and leave a batch; a graph is tied to its caches' buffers, so the
+    batch drops those of a cache it gives up: `forget`)."""
+
+    def __init__(self, graphs: Graphs):
+        self.graphs = graphs  # whose capture time this adds to (the engine's clock)
+        self.kept: dict[tuple, Graph] = {}
+
+    def step(self, model: Transformer, ragged, ids: torch.Tensor, record: int, ops: TorchOps
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """model.step(ids, ragged, None, record, ops=ops) replayed from a graph (captured on first use)."""
+        ragged.begin()
+        key = (ragged.key(), record, ops.name, getattr(ops, "invariant", True))
+        g = self.kept.pop(key, None)
+        if g is None:
+            t0 = time.perf_counter()
+            g = _capture(model, ragged, ids.to(model.device, copy=True), None, record, ops)
+            torch.cuda.synchronize(model.device)
+            self.graphs.capture_s += time.perf_counter() - t0
+            while len(self.kept) >= KEPT_RAGGED:
+                del self.kept[next(iter(self.kept))]
+        else:
+            g.ids.copy_(ids, non_blocking=True)
+        self.kept[key] = g  # the latest last
+        g.graph.replay()
+        ragged.end()
+        return g.hidden.clone(), list(g.queries)
+
+    def forget(self, cache: KVCache) -> None:
+        """Drop the graphs captured on a cache the batch gives up."""
+        self.kept = {k: g for k, g in self.kept.items() if all(c != id(cache) for c, _ in k[0])}
+
+
+KEPT_RAGGED = 32  # a batch's compositions (which requests, how many rows each) kept as graphs
+
+
+def _capture(model: Transformer, cache: KVCache, ids: torch.Tensor, n_rows: int | None, record: int, ops: TorchOps
              ) -> Graph:
     """Warm up on a side stream (Triton compiles, cuBLAS picks kernels), then capture one step; the cache's host
     bookkeeping is put back after each (the caller's replay is the step that counts)."""
-    before = cache.seq_len
+    before = cache.seq_len  # a batch's: each sequence's
     cache.begin(int(ids.shape[0]))  # the warm-up is a step of its own (an offloaded cache counts its copies)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

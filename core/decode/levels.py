@@ -91,12 +91,7 @@ class Level:
                ) -> torch.Tensor:
         """The normed hidden states [n_last, D] of the last n_last positions of seq + extra (logits: self.head);
         with `record`, self.queries holds the group-summed queries of the last `record` positions."""
-        total = len(seq) + len(extra)
-        start = min(trusted, len(self.tokens), total - n_last)
-        tail = seq[start:] + list(extra)  # short: `trusted` is near the end
-        keep = start + common_prefix(self.tokens[start:], tail, 0, total - n_last - start)
-        self.cache.truncate(keep)
-        new = tail[keep - start:]
+        new = self.pending(seq, n_last, trusted, extra)
         # The device kernels compute a row of a decode step as a one-token step would; a longer input (a level-3
         # draft over DECODE_TOKENS) is fed in decode-step pieces so that every row keeps that property.
         piece = DECODE_TOKENS if self.ops.device_steps else len(new)
@@ -108,10 +103,24 @@ class Level:
             outs.append(out)
             queries = [torch.cat(q, 1) for q in zip(queries, recorded)] if queries else recorded
         self.queries = queries
+        self.fed(new)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def pending(self, seq: list[int], n_last: int, trusted: int = 0, extra: Sequence[int] = ()) -> list[int]:
+        """Roll the cache back to where what it holds and seq + extra part (keeping at least the last n_last positions
+        to compute) and return the tokens it lacks, which the caller feeds next (then `fed`)."""
+        total = len(seq) + len(extra)
+        start = min(trusted, len(self.tokens), total - n_last)
+        tail = seq[start:] + list(extra)  # short: `trusted` is near the end
+        keep = start + common_prefix(self.tokens[start:], tail, 0, total - n_last - start)
+        self.cache.truncate(keep)
         del self.tokens[keep:]
+        return tail[keep - start:]
+
+    def fed(self, new: list[int]) -> None:
+        """The tokens `pending` returned went through a forward."""
         self.tokens.extend(new)
         self.forwards += 1
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def follow(self, token: torch.Tensor) -> torch.Tensor:
         """The normed hidden state [1, D] after one more token known only on the device (a [1] tensor): a level that

@@ -282,13 +282,17 @@ GEMV_BLOCKS = (16, DECODE_TOKENS)
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
          accumulate: bool = True) -> torch.Tensor:
-    """x [m, K] @ weight[N, K].T (+ bias) for m <= DECODE_TOKENS, as one kernel computing a block of rows that
-    depends on m alone (GEMV_BLOCKS), into a new [m, N] tensor of x's dtype or into `out` [m, N], to which it is added
+    """x [m, K] @ weight[N, K].T (+ bias) for m <= DECODE_TOKENS (a batch's more: in pieces of that many), as one
+    kernel computing a block of rows that depends on m alone (GEMV_BLOCKS), into a new [m, N] tensor of x's dtype or into `out` [m, N], to which it is added
     (a residual connection without a separate add or split-K reduction) unless not `accumulate`; returns the result."""
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m > DECODE_TOKENS:  # a batch's step: pieces of DECODE_TOKENS rows, each row computed as a one-row step
+        for a in range(0, m, DECODE_TOKENS):
+            gemv(x[a:a + DECODE_TOKENS], weight, bias, y[a:a + DECODE_TOKENS], accumulate and out is not None)
+        return y
     args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
     rows = next(b for b in GEMV_BLOCKS if m <= b)
     flags = dict(HAS_BIAS=bias is not None, ADD_TO_Y=out is not None and accumulate, BLOCK_M=rows)

@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from core.config import DECODE_TOKENS
+from core.config import BATCH_TOKENS, DECODE_TOKENS
 
 
 
@@ -34,6 +34,13 @@ class AttentionCache(Protocol):
     def attended(self, i: int) -> None: ...
 
     def end(self) -> None: ...
+
+
+class Parts(Protocol):
+    """A step over several sequences at once (core.cache.ragged.Ragged): its rows are theirs in order, `parts` says
+    each one's cache and rows; attention runs per part, every other operator over all rows together."""
+
+    parts: list[tuple[AttentionCache, int]]
 
 
 @functools.cache
@@ -141,10 +148,26 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def attend(self, cache: AttentionCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attend(self, cache: AttentionCache | Parts, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q, k [n, heads, D], store k and v in the cache's layer at its next slots, attend causally over the
-        layer's stored keys. Returns the output and the rotated queries, both [Hq, n, D]."""
+        layer's stored keys. Returns the output and the rotated queries, both [Hq, n, D]. A step over several
+        sequences (Parts) attends each part's rows over its own cache: each as a step of that sequence alone."""
+        parts = getattr(cache, "parts", None)
+        if parts is None:
+            return self.attend_one(cache, layer, q, k, v, cos, sin)
+        outs, queries, a = [], [], 0
+        for part, n in parts:
+            out, rotated = self.attend_one(part, layer, q[a:a + n], k[a:a + n], v[a:a + n], cos[a:a + n],
+                                           sin[a:a + n])
+            outs.append(out)
+            queries.append(rotated)
+            a += n
+        return torch.cat(outs, 1), torch.cat(queries, 1)
+
+    def attend_one(self, cache: AttentionCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attend over one sequence's cache."""
         q, k = self.rope_heads(q, cos, sin), self.rope_heads(k, cos, sin)
         keys, values = cache.layer(layer)
         s, n = cache.used, q.shape[1]
@@ -184,7 +207,9 @@ class TritonOps(TorchOps):
         self._drafting: TritonOps | None = None
 
     def _gemv(self, x: torch.Tensor) -> bool:
-        return self.gemv and x.dim() == 2 and x.shape[0] <= DECODE_TOKENS
+        """A decode step's rows, one sequence's or a batch's (BATCH_TOKENS: the kernel takes them DECODE_TOKENS at a
+        time, each row as a one-row step); a prefill's go to cuBLAS."""
+        return self.gemv and x.dim() == 2 and x.shape[0] <= BATCH_TOKENS
 
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether x is a drafting level's one-token step (the fused kernels' case)."""
@@ -236,12 +261,12 @@ class TritonOps(TorchOps):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k.silu_mul(gate_up) if gate_up.dim() == 2 else super().silu_mul(gate_up)
 
-    def attend(self, cache: AttentionCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_one(self, cache: AttentionCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step: one kernel rotates q and k and stores k, v at the slots in cache.meta; split-K attention
         reads the layer in place. Longer inputs: the PyTorch path."""
         if q.shape[0] > DECODE_TOKENS:
-            return super().attend(cache, layer, q, k, v, cos, sin)
+            return super().attend_one(cache, layer, q, k, v, cos, sin)
         keys, values = cache.layer(layer)
         q = self.k.rope_store(q, k, v, cos, sin, keys, values, cache.meta)
         out = self.k.decode_attention(q, keys, values, cache.meta)

@@ -25,6 +25,7 @@ CARRIED_WEIGHT = 16.0  # the most observations a run carries of an acceptance to
 # The prior's slope counts as one pair of single samples spanning a decode step (2 and DECODE_TOKENS rows): a slope
 # seen over a narrow span of sizes is mostly noise, one seen across the step outweighs the prior (11).
 SLOPE_PRIOR = float((DECODE_TOKENS - 2) ** 2)
+LEVEL2_PRIOR = 0.9  # level 3's acceptance of level 2's tokens before any is measured (13)
 FIRST_SAMPLE = 0.01  # a step size's first sample, against a repeated one: a first use may pay one-time work (12)
 
 
@@ -216,7 +217,7 @@ class Estimates:
     post: Window = field(default_factory=Window)
     # level 2 is the target on the chunks its own queries chose: the real Qwen pair's level 3 accepted 0.90-0.99 of
     # its drafts on prose, code and a pass key; the paper reports ~0.9 and above (13)
-    a2: Estimate = field(default_factory=lambda: prior(0.9))
+    a2: Estimate = field(default_factory=lambda: prior(LEVEL2_PRIOR))
     # a guess is a draw from level 2's distribution checked like a draft: it stands about as often as one (13)
     guess: Estimate = field(default_factory=lambda: prior(0.9))
     level1: dict[str, Drafting] = field(default_factory=dict)

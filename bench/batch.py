@@ -1,0 +1,202 @@
+"""Batched TriForce over batched autoregressive decoding: B requests of L prompt tokens each decoded together
+(Engine.generate_many), throughput over all requests once every one has joined, each request's latency, level-2
+acceptance beside every speed, peak memory, and whether each greedy answer equals its single-request one.
+
+python -m bench.batch --parts cpu                 the embedded model on this CPU, 1 to 4 requests (cpu_embedded_4)
+python -m bench.batch --parts random --tokenizer smollm2-135m [--settings 6x19k 2x56k 10x12k]
+                                                  random weights at the Llama-2-7B shape on a GPU (the paper's Table 4)
+python -m bench.batch --parts real --target T.gguf [--settings 4x16k 8x30k]
+                                                  the real Qwen2.5-Coder pair's target (docs/real-models.md)
+Writes bench/results/batch-<device>.json with summary.batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from bench.common import DOCS, LLAMA2_7B, environment, random_model, save, tokenizer_of
+from core import Engine, GenerationConfig
+from core.batching import Request
+from core.events import Finished, PrefillProgress, StepTiming, Tokens
+
+SETTINGS = {"6x19k": (6, 19_000), "2x56k": (2, 56_000), "10x12k": (10, 12_000), "4x16k": (4, 16_000),
+            "8x30k": (8, 30_000), "1x2k": (1, 2_000), "2x2k": (2, 2_000), "4x2k": (4, 2_000)}
+SAMPLED = {"temperature": 0.6, "top_p": 0.9}
+INSTRUCTION = "Summarise the document so far."
+
+
+def prompts(tok, count: int, length: int) -> list[list[int]]:
+    """`count` different prompts of `length` token ids: the bundled documents' text, each request starting
+    elsewhere in it."""
+    text = "\n\n".join(p.read_text() for p in sorted(DOCS.iterdir()) if p.is_file())
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    while len(ids) < length * 2:
+        ids = ids + ids
+    step = max(1, (len(ids) - length) // max(count, 1))
+    return [ids[i * step:i * step + length] for i in range(count)]
+
+
+def batch_run(engine: Engine, ids: list[list[int]], cfg: GenerationConfig, slots: int) -> dict:
+    """One batch to the end: throughput over the span where every request decodes (from the last join to the
+    last token), each request's figures."""
+    requests = [Request(str(i), ids=p, config=cfg) for i, p in enumerate(ids)]
+    joined, finished, tokens, timings = set(), {}, [], []
+    t_all, captured = None, 0.0
+    t0 = time.perf_counter()
+    for tagged in engine.generate_many(requests, slots):
+        e = tagged.event
+        if isinstance(e, PrefillProgress) and e.done >= e.total:
+            joined.add(tagged.key)
+            if len(joined) == len(requests):
+                t_all, captured = time.perf_counter(), capture_s(engine)
+        elif isinstance(e, Tokens) and t_all is not None:
+            tokens.append(len(e.ids))
+        elif isinstance(e, StepTiming) and t_all is not None:
+            timings.append(e)  # every request's copy of the batch's round (their medians are the batch's)
+        elif isinstance(e, Finished):
+            finished[tagged.key] = e
+    t_end = time.perf_counter()
+    runs = [finished[str(i)] for i in range(len(ids))]
+    span = t_end - (t_all or t0) - (capture_s(engine) - captured)  # a composition's first step is captured
+    verified = sum(f.stats.level2_verified for f in runs)
+    return {"method": cfg.method, "greedy": cfg.is_greedy, "requests": len(ids), "prompt_tokens": len(ids[0]),
+            "new_tokens": [f.stats.new_tokens for f in runs], "tokens_per_s": sum(tokens) / span if span else 0.0,
+            "latency_s": [f.stats.decode_s for f in runs], "prefill_s": [f.stats.prefill_s for f in runs],
+            "level2_acceptance": sum(f.stats.level2_accepted for f in runs) / verified if verified else None,
+            "plans": runs[0].stats.plans, "wall_s": t_end - t0, "token_ids": [f.token_ids for f in runs],
+            "shared_with": [f.stats.shared_with for f in runs], **round_costs(timings)}
+
+
+def round_costs(timings: list[StepTiming]) -> dict:
+    """The batch's rounds while every request decodes: about how many, level 3's milliseconds and level 2's per
+    step."""
+    drafting = [t for t in timings if t.level2_forwards]
+    return {"rounds": max(Counter(t.round for t in timings).values(), default=0),
+            "level3_ms": statistics.median(t.level3_ms for t in timings) if timings else None,
+            "level2_step_ms": statistics.median(t.level2_ms / t.level2_forwards for t in drafting) if drafting else None,
+            "level2_steps": statistics.median(t.level2_forwards for t in drafting) if drafting else None}
+
+
+def capture_s(engine: Engine) -> float:
+    """Seconds the engine has spent capturing CUDA graphs (a batch's new compositions): warm-up, not decoding."""
+    return engine.graphs.capture_s if engine.graphs is not None else 0.0
+
+
+def single_ids(engine: Engine, ids: list[int], cfg: GenerationConfig) -> list[int]:
+    """A request's answer decoded alone (autoregressive, greedy)."""
+    return next(e for e in engine.generate_ids(ids, cfg) if isinstance(e, Finished)).token_ids
+
+
+RUNS = {"ar": {"method": "ar", "greedy": True}, "triforce": {"method": "triforce", "greedy": True},
+        "auto": {"method": "auto", "greedy": True}, "ar_sampled": {"method": "ar", **SAMPLED},
+        "triforce_sampled": {"method": "triforce", **SAMPLED}, "auto_sampled": {"method": "auto", **SAMPLED}}
+DEFAULT_RUNS = ["ar", "triforce", "auto", "ar_sampled", "auto_sampled"]
+
+
+def setting_run(engine: Engine, tok, name: str, new_tokens: int, check: int, fixed: dict | None = None,
+                labels: list[str] = DEFAULT_RUNS) -> dict:
+    """AR, TriForce and auto batched on one setting, greedy and sampled; `check` requests' greedy answers compared
+    with their single-request ones."""
+    count, length = SETTINGS[name]
+    ids = prompts(tok, count, length)
+    if engine.target.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    runs = {}
+    for label in labels:
+        settings = {**RUNS[label], **(fixed if label.startswith("triforce") else {})}
+        cfg = GenerationConfig(max_new_tokens=new_tokens, drafter="none", **settings).validate()
+        runs[label] = batch_run(engine, ids, cfg, count)
+        r = runs[label]
+        print(f"{name} {label}: {r['tokens_per_s']:.1f} tokens/s, acceptance {r['level2_acceptance']}, rounds "
+              f"{r['rounds']}, level 3 {r['level3_ms']} ms, level 2 {r['level2_step_ms']} ms x {r['level2_steps']}, "
+              f"plans {r['plans'][:4]}", flush=True)
+        gc.collect()
+    greedy_ar = GenerationConfig(max_new_tokens=new_tokens, method="ar", greedy=True).validate()
+    greedy = [label for label in ("triforce", "auto") if label in runs]
+    identical = [all(single_ids(engine, ids[i], greedy_ar) == runs[label]["token_ids"][i] for label in greedy)
+                 for i in range(min(check, count))] if greedy else []
+    speed = {label: r["tokens_per_s"] for label, r in runs.items()}
+    ratios = {f"speedup_{label}": speed[label] / speed["ar_sampled" if label.endswith("sampled") else "ar"]
+              for label in speed if not label.startswith("ar") and
+              ("ar_sampled" if label.endswith("sampled") else "ar") in speed}
+    out = {"setting": name, "requests": count, "prompt_tokens": length, "runs": runs, **ratios,
+           "greedy_identical": identical, "settings": fixed or {},
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if engine.target.device.type == "cuda" else None}
+    for r in runs.values():
+        del r["token_ids"]
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}), flush=True)
+    return out
+
+
+def warm(engine: Engine, tok) -> None:
+    """Kernels compiled and tuned outside the timed runs: a short batch of each method, greedy and sampled."""
+    ids = prompts(tok, 2, 1000)
+    for settings in ({"method": "ar", "greedy": True}, {"method": "triforce", "greedy": True},
+                     {"method": "auto", **SAMPLED}):
+        cfg = GenerationConfig(max_new_tokens=40, drafter="none", **settings).validate()
+        batch_run(engine, ids, cfg, 2)
+
+
+def random_engine(tok, context: int) -> Engine:
+    """Random bf16 weights at the Llama-2-7B shape (its vocabulary grown to the tokenizer's), no draft model."""
+    shape = {**LLAMA2_7B, "vocab_size": max(LLAMA2_7B["vocab_size"], len(tok)), "max_position_embeddings": context}
+    model = random_model(shape)
+    model.eos_ids = set()
+    return Engine.from_models(model, tok, "random 7b shape", None, None, context)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", default=["cpu"], choices=["cpu", "random", "real"])
+    p.add_argument("--settings", nargs="+", choices=sorted(SETTINGS))
+    p.add_argument("--tokenizer", default="smollm2-135m")
+    p.add_argument("--target", help="the real target (a .gguf or preset id)")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--check", type=int, default=2, help="requests per setting compared with their single answers")
+    p.add_argument("--budget", type=int, help="the TriForce runs' retrieval budget (default: the engine's)")
+    p.add_argument("--gamma2", type=int, help="the TriForce runs' γ2 (default: the engine's)")
+    p.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=sorted(RUNS))
+    args = p.parse_args()
+    results, summary = {}, {}
+    for part in args.parts:
+        if part == "cpu":
+            engine = Engine.load(None, "none")
+            settings = args.settings or ["1x2k", "2x2k", "4x2k"]
+            tok = engine.tokenizer
+        elif part == "random":
+            tok = AutoTokenizer.from_pretrained(args.tokenizer) if Path(args.tokenizer).is_dir() \
+                else tokenizer_of(args.tokenizer)  # a saved tokenizer directory travels where a model cannot
+            settings = args.settings or ["6x19k", "2x56k", "10x12k"]
+            engine = random_engine(tok, max(SETTINGS[s][1] for s in settings) + args.new_tokens + 1024)
+        else:
+            engine = Engine.load(args.target, "none")
+            settings = args.settings or ["4x16k", "8x30k"]
+            tok = engine.tokenizer
+        warm(engine, tok)
+        for name in settings:
+            fixed = {k: v for k, v in (("budget", args.budget), ("gamma2", args.gamma2)) if v}
+            r = results[f"{part}_{name}"] = setting_run(engine, tok, name, args.new_tokens, args.check, fixed, args.runs)
+            key = {"cpu": "cpu_embedded_", "random": "random_7b_", "real": "real_"}[part] + name
+            if part != "cpu" or name == "4x2k":
+                summary[key.replace("4x2k", "4")] = r.get("speedup_auto")
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
+    payload = {**environment(), "gpu": device, "summary": {"batch": summary}, "results": results}
+    print(json.dumps(summary, indent=1))
+    print(f"saved {save('batch-' + device, payload)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Several requests decoded together, each exactly as it would be alone.
+
+A round serves every request in the batch at once: level 2 drafts for the requests that draft, one forward per token
+for all of them (each drawn token fed straight back on the device), then level 3 verifies every request's draft in
+one forward (an autoregressive request feeds one row). A forward's rows are the requests' new tokens side by side
+(core.cache.ragged.Ragged): the projections read the weights once for all of them, each request's rows attend over
+its own caches, and every row is computed as a one-row step of that request alone (the decode kernels' property),
+so a greedy request emits what it emits alone. Verification, residuals and bonus tokens are each request's own,
+drawn from its own generator. Requests join and leave between rounds (`join`, `leave`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from core.cache.ragged import Ragged
+from core.cache.retrieval import Retrieval
+from core.config import DECODE_TOKENS, GenerationConfig
+from core.decode.graphs import Graphs, RaggedGraphs, clock
+from core.decode.levels import Level, common_prefix
+from core.decode.output import Output
+from core.decode.repetition import Repetition
+from core.decode.sampling import distributions, draw, speculative_verify
+from core.events import Acceptance, Event, PlanChosen, StepTiming, Verdict
+from core.model.transformer import Transformer
+
+
+class Gammas(Protocol):
+    """Chooses the γ2 of a batch's requests on method auto and learns from each round's costs (core.plan.batch)."""
+
+    reason: str
+
+    def choose(self, auto: list[tuple[int, int]], fixed: list[int]) -> int: ...
+
+    def observe(self, level3_rows: int, level3_ms: float, level2_slots: int, level2_steps: int, level2_ms: float
+                ) -> None: ...
+
+
+@dataclass
+class Slot:
+    """One request of a batch: its levels (level 2 only where it drafts), its answer, its sampling, what it drafted
+    this round, its counts, and the events it has not yet handed out."""
+
+    key: str
+    prompt: list[int]
+    cfg: GenerationConfig
+    target: Level
+    out: Output
+    generator: torch.Generator
+    retrieval: Retrieval | None = None
+    level2: Level | None = None
+    seq: list[int] = field(default_factory=list)
+    gamma: int = 0  # this round's draft length (0: an autoregressive step)
+    draft: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)  # level 2's distribution behind each drafted token
+    emitted: list[int] = field(default_factory=list)  # this round's accepted drafts and level 3's token
+    counts: Acceptance = field(default_factory=Acceptance)
+    rounds: int = 0
+    beside: int = 0  # the most other requests decoded in a round with it
+    plan: int | None = None  # the γ2 its events last announced
+    plans: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.seq = list(self.prompt)
+        self.repetition = Repetition(self.cfg, self.target.model.args.vocab_size, self.target.model.device,
+                                     len(self.prompt))
+
+    @property
+    def drafts(self) -> bool:
+        """Whether its method may draft (TriForce or auto: it holds a level 2)."""
+        return self.level2 is not None
+
+
+class Batch:
+    """The requests decoding together on one target model; `round` runs one round for all of them. `gammas`: method
+    auto's planner for the batch; `graphs`: the engine's (None: steps launched eagerly)."""
+
+    def __init__(self, model: Transformer, gammas: Gammas, graphs: Graphs | None = None):
+        self.model, self.gammas = model, gammas
+        self.graphs = graphs
+        self.ragged = RaggedGraphs(graphs) if graphs is not None else None
+        self.slots: list[Slot] = []
+        self.rounds = 0
+
+    def join(self, slot: Slot) -> None:
+        """A prefilled request joins at the next round (its level 2 selects its first chunks now)."""
+        if slot.retrieval is not None:
+            slot.events.append(slot.retrieval.select(slot.target.queries, -1, 0, slot.target.cache.seq_len))
+        self.slots.append(slot)
+
+    def leave(self, slot: Slot) -> None:
+        """A request leaves (finished or stopped); the graphs on its caches go."""
+        self.slots.remove(slot)
+        if self.ragged is not None:
+            for level in (slot.target, slot.level2):
+                if level is not None:
+                    self.ragged.forget(level.cache)
+
+    def forward(self, feeds: list[tuple[Level, int]], ids: torch.Tensor, record: int = 0, drafting: bool = False
+                ) -> torch.Tensor:
+        """One forward over several levels of the model (each fed its count of `ids`, in order): the normed hidden
+        states of every row [rows, D]; with `record`, each level's `queries` hold its rows' recorded queries."""
+        ragged = Ragged([(level.cache, n) for level, n in feeds])
+        ops = self.model.ops.drafting() if drafting else self.model.ops
+        if self.ragged is not None and ragged.on_cuda and ops.device_steps and \
+                all(n <= DECODE_TOKENS for _, n in feeds) and self.model.rotary.rope_type != "dynamic":
+            hidden, queries = self.ragged.step(self.model, ragged, ids, record, ops)
+        else:
+            ragged.begin()
+            hidden, queries = self.model.step(ids.to(self.model.device), ragged, None, record, ops=ops)
+        if record:
+            a = 0
+            for level, n in feeds:
+                level.queries = [q[:, a:a + n] for q in queries]
+                a += n
+        return hidden
+
+    def round(self) -> list[Slot]:
+        """One round for every request in the batch; each slot's events are appended to its `events`. Returns the
+        slots whose answers are done (still in the batch: the caller lets them `leave`)."""
+        slots = [s for s in self.slots if not s.out.done]
+        if not slots:
+            return []
+        self.plan(slots)
+        for s in slots:
+            s.draft, s.q = [], []
+        t0 = clock(self.graphs)
+        steps = self.draft([s for s in slots if s.gamma])
+        t1 = clock(self.graphs)
+        rows = self.verify(slots)
+        t2 = clock(self.graphs)
+        drafting = sum(1 for s in slots if s.gamma)
+        self.gammas.observe(rows, (t2 - t1) * 1e3, drafting, steps, (t1 - t0) * 1e3)
+        for s in slots:
+            s.beside = max(s.beside, len(slots) - 1)
+            s.events.append(StepTiming(round=s.rounds, level1_ms=0.0, level2_ms=(t1 - t0) * 1e3,
+                                       level3_ms=(t2 - t1) * 1e3, selection_ms=0.0, tokens=len(s.emitted),
+                                       level2_forwards=steps if s.gamma else 0))
+            s.rounds += 1
+        self.rounds += 1
+        return [s for s in slots if s.out.done]
+
+    def plan(self, slots: list[Slot]) -> None:
+        """Each request's draft length this round: none for autoregressive ones, a triforce request's own γ2, the
+        planner's for auto ones."""
+        auto = [s for s in slots if s.drafts and s.cfg.method == "auto"]
+        fixed = [s.cfg.gamma2 if s.drafts else 0 for s in slots if s not in auto]
+        gamma = self.gammas.choose([(s.counts.level2_verified, s.counts.level2_accepted) for s in auto],
+                                   fixed) if auto else 0
+        for s in slots:  # never longer than the answer still wants (a length set by the emitted count: exact)
+            s.gamma = min((gamma if s in auto else s.cfg.gamma2) if s.drafts else 0,
+                          s.cfg.max_new_tokens - len(s.out.ids))
+            if s in auto and s.plan != gamma:
+                s.plan = gamma
+                name = f"levels 2 → 3 (γ {gamma}, batched)" if gamma else "autoregressive (batched)"
+                s.plans.append(name)
+                s.events.append(PlanChosen(round=s.rounds, plan=name, reason=self.gammas.reason, level1="",
+                                           level2=bool(gamma), gamma1=0, gamma2=gamma, ahead=False))
+
+    def draft(self, slots: list[Slot]) -> int:
+        """Level 2 drafts each slot's γ2 tokens by itself, every step one forward for the slots still drafting, each
+        drawn token fed straight back on the device (the host waits once, at the end). Returns the steps taken."""
+        for s in slots:
+            self.keep_level2_in_step(s)
+        if not slots:
+            return 0
+        news = [s.level2.pending(s.seq, 1, len(s.seq)) for s in slots]
+        hidden = self.forward([(s.level2, len(n)) for s, n in zip(slots, news)],
+                              torch.tensor([t for n in news for t in n]), drafting=True)
+        for s, n in zip(slots, news):
+            s.level2.fed(n)
+        rows = torch.tensor(_last_rows([len(n) for n in news]), device=hidden.device)
+        hidden, active, drawn, steps = hidden[rows], slots, {id(s): [] for s in slots}, 1
+        for j in range(max(s.gamma for s in slots)):
+            if j:  # the slots still drafting are fed the token each drew last
+                active = [s for s in active if s.gamma > j]
+                for s in active:
+                    s.level2.tokens.append(-1)  # its id is known once read back (settle)
+                hidden = self.forward([(s.level2, 1) for s in active], torch.cat([drawn[id(s)][-1] for s in active]),
+                                      drafting=True)
+                steps += 1
+                for s in active:
+                    s.level2.forwards += 1
+            logits = self.model.head(hidden, self.model.ops.drafting())
+            for s, row in zip(active, logits):
+                s.q.append(distributions(row[None], s.cfg)[0])
+                drawn[id(s)].append(draw(s.q[-1], s.generator))
+        tokens = torch.cat([t for s in slots for t in drawn[id(s)]]).tolist()  # the one wait
+        a = 0
+        for s in slots:
+            s.draft = tokens[a:a + s.gamma]
+            a += s.gamma
+            if s.gamma > 1:
+                s.level2.settle(s.draft[:-1])
+            for token in s.draft:
+                s.events.append(Verdict(level=2, round=s.rounds, proposed=[], accepted=0, token=token, bonus=True))
+        return steps
+
+    def keep_level2_in_step(self, s: Slot) -> None:
+        """Drop level 2's rejected tokens and give it the full cache's keys and values of every token level 3 holds
+        since (TriForce.keep_level2_in_step, per request)."""
+        valid = common_prefix(s.target.tokens, s.seq, s.retrieval.synced, len(s.seq))
+        keep = common_prefix(s.level2.tokens, s.seq, s.retrieval.synced, valid)
+        s.level2.cache.truncate(keep)
+        del s.level2.tokens[keep:]
+        if valid > s.retrieval.synced:
+            s.level2.tokens.extend(s.seq[keep:valid])
+            s.retrieval.copy_from_full(valid)
+
+    def verify(self, slots: list[Slot]) -> int:
+        """Level 3 checks every slot's draft in one forward (an autoregressive slot: its next token); each slot's
+        verdict, tokens and reselection. Returns the rows fed."""
+        reselect = [s.retrieval is not None and s.gamma and s.retrieval.policy.due(s.rounds) for s in slots]
+        news = [s.target.pending(s.seq, len(s.draft) + 1, len(s.seq), s.draft) for s in slots]
+        counts = [len(n) for n in news]
+        hidden = self.forward([(s.target, n) for s, n in zip(slots, counts)],
+                              torch.tensor([t for n in news for t in n]), record=sum(counts) if any(reselect) else 0)
+        for s, n in zip(slots, news):
+            s.target.fed(n)
+        logits = self.model.head(hidden)
+        a = 0
+        for s, n, again in zip(slots, counts, reselect):
+            rows = logits[a + n - len(s.draft) - 1:a + n]
+            a += n
+            p = distributions(s.repetition(rows, s.seq, s.draft), s.cfg)
+            accepted, token = speculative_verify(s.draft, torch.stack(s.q) if s.q else None, p, s.generator)
+            if s.draft:
+                s.counts.count(2, len(s.draft), accepted)
+                s.events.append(Verdict(level=3, round=s.rounds, proposed=s.draft, accepted=accepted, token=token,
+                                        bonus=accepted == len(s.draft)))
+            s.emitted = s.draft[:accepted] + [token]
+            s.seq += s.emitted
+            s.events.append(s.out.add(s.emitted, ["level2"] * accepted + ["level3" if s.draft else "target"],
+                                      s.rounds))
+            if again and not s.out.done:
+                s.events.append(s.retrieval.select(s.target.queries, n - len(s.draft) - 1 + accepted, s.rounds + 1,
+                                                   len(s.seq) - 1))
+        return sum(counts)
+
+
+def _last_rows(counts: list[int]) -> list[int]:
+    """The index of each part's last row among rows laid out part after part."""
+    out, a = [], 0
+    for n in counts:
+        a += n
+        out.append(a - 1)
+    return out
