@@ -60,6 +60,7 @@ class Admitted:
     level: Level | None = None
     filling: Iterator[int] | None = None
     t0: float = 0.0
+    chunk: int = 0  # prompt tokens a prefill forward takes
     done: int = 0
 
 
@@ -193,13 +194,13 @@ class BatchRun:
         full = KVCache(args.n_layers, args.n_kv_heads, args.head_dim, plan.sizes.full, self.model.dtype,
                        self.model.device)
         a.level = Level(self.model, full, [], e.graphs)
-        chunk = cfg.prefill_chunk or e.prefill_chunk()
-        a.filling, a.t0 = a.level.prefill(ids[:-1], chunk, record=1, stop=a.request.stop), time.perf_counter()
+        a.chunk = cfg.prefill_chunk or e.prefill_chunk()
+        a.filling, a.t0 = a.level.prefill(ids[:-1], a.chunk, record=1, stop=a.request.stop), time.perf_counter()
 
     def _fill(self, out: list[Tagged]) -> None:
         """The prefill a chunk further (the whole of it while nothing decodes); once done, the request joins."""
         a = self.filling
-        total = len(a.prompt.ids) - 1
+        total, chunk_end = len(a.prompt.ids) - 1, a.done + a.chunk
         while True:
             try:
                 a.done = next(a.filling, total)
@@ -209,7 +210,7 @@ class BatchRun:
             out.append(Tagged(a.request.key, PrefillProgress(done=a.done, total=total,
                                                              seconds=time.perf_counter() - a.t0,
                                                              cache_bytes=a.level.cache.nbytes)))
-            if a.done >= total or self.running:
+            if a.done >= total or (self.running and a.done >= chunk_end):  # (a CPU's prefill yields per layer too)
                 break
         if a.done >= total:
             self.filling = None

@@ -118,3 +118,24 @@ def test_progress_on_a_terminal_is_a_bar_that_vanishes_and_lines_above_it():
     quiet = Terminal()
     Progress(stream=quiet, quiet=True).run("x").event(PrefillProgress(1, 2, 0.1, 0))
     assert quiet.getvalue() == ""
+
+
+def test_batch_file_answers_each_request_as_alone(tmp_path, embedded, capsys):
+    """generate --batch: one JSON line per request, each greedy answer the one its single run gives; a bad line is
+    refused in one line naming it, before any model loads."""
+    short_doc(tmp_path)
+    lines = [{"id": "who", "doc": "doc.txt", "prompt": "Who is complained about?", "greedy": True, "max_new_tokens": 8},
+             {"id": "ar", "document": "The dog sat on the log.", "prompt": "Where did the dog sit?", "method": "ar",
+              "greedy": True, "max_new_tokens": 8}]
+    batch = tmp_path / "requests.jsonl"
+    batch.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert main(["generate", "--batch", str(batch), "--budget", "128", "--quiet"]) == 0
+    answers = {a["id"]: a for a in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(answers) == {"who", "ar"} and answers["ar"]["stats"]["method"] == "ar"
+    assert answers["who"]["stats"]["shared_with"] == 1
+    assert main(["generate", "--doc", str(tmp_path / "doc.txt"), "--prompt", "Who is complained about?", "--greedy",
+                 "--max-new-tokens", "8", "--budget", "128", "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == answers["who"]["token_ids"]
+    batch.write_text('{"id": "x", "doc": "doc.txt", "prompt": "?", "temprature": 1}\n')
+    assert main(["generate", "--batch", str(batch)]) == 2
+    assert capsys.readouterr().err.strip() == "error: requests.jsonl line 1: unknown field 'temprature'"

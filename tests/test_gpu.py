@@ -433,7 +433,7 @@ def test_projection_rows_of_a_many_token_step_equal_one_token_steps(triton, shap
     n_out, k_in = shape
     g = torch.Generator(DEV).manual_seed(n_out)
     w, b = randn(n_out, k_in, g=g) / k_in ** 0.5, randn(n_out, g=g)
-    for k in (2, 3, 7, 13, 16, 17, 24, DECODE_TOKENS):  # both GEMV blocks
+    for k in (2, 3, 7, 13, 16, 17, 24, DECODE_TOKENS, 40, 3 * DECODE_TOKENS):  # both GEMV blocks; a batch's pieces
         x, r = randn(k, k_in, g=g), randn(k, n_out, g=g)
         outs = (triton.linear(x, w), triton.linear(x, w, b), triton.linear_add(r.clone(), x, w), triton.logits(x, w))
         for i in range(k):
@@ -502,3 +502,33 @@ def test_greedy_triforce_equals_autoregressive_in_bf16_where_logits_nearly_tie(t
                       if isinstance(e, Finished))
             assert tf.token_ids == ar.token_ids, (gamma2, tf.stats.level2_acceptance)
     assert sum(m < 0.05 for _, m in ar.stats.near_ties) >= 5  # the premise: many steps decided by a near-tie
+
+
+def test_batched_requests_equal_their_single_runs_in_bf16(triton):
+    """Four requests decoded in one batch (graphs replayed over their caches side by side, rows in GEMV pieces): each
+    greedy answer, of any method, equals its autoregressive single run, and a sampled one its single run of the
+    same seed, where many logits nearly tie."""
+    from core.batching import Request
+    from core.events import Finished
+    engine = near_tie_engine()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (3000, 1800, 2500, 900)]
+    base = dict(max_new_tokens=48, budget=512, drafter="none")
+
+    def alone(ids, **settings):
+        return next(e for e in engine.generate_ids(ids, GenerationConfig(**base, **settings))
+                    if isinstance(e, Finished)).token_ids
+
+    def together(settings, slots=4):
+        requests = [Request(str(i), ids=p, config=GenerationConfig(**base, **s))
+                    for i, (p, s) in enumerate(zip(prompts, settings))]
+        done = {t.key: t.event.token_ids for t in engine.generate_many(requests, slots) if isinstance(t.event, Finished)}
+        return [done[str(i)] for i in range(len(prompts))]
+
+    with torch.inference_mode():
+        ar = [alone(p, method="ar", greedy=True) for p in prompts]
+        for settings in ([dict(method="triforce", greedy=True, gamma2=g2) for g2 in (6, 15, 3, 9)],
+                         [dict(method="auto", greedy=True)] * 4, [dict(method="ar", greedy=True)] * 4):
+            assert together(settings) == ar, settings
+        sampled = [dict(method="triforce", temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
+        assert together(sampled, slots=2) == [alone(p, **s) for p, s in zip(prompts, sampled)]

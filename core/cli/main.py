@@ -15,7 +15,8 @@ from typing import NoReturn
 import transformers
 
 from core.decode.compare import difference_note
-from core.config import GenerationConfig, TriForceError, settings, type_hints, value_types
+from core.batching import Request
+from core.config import SEATS, GenerationConfig, TriForceError, brief, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
 from core.io.inputs import STDIN, gpu_memory_gib, note_gpu_only, process_group, read_capped
@@ -68,8 +69,14 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("generate", "generate an answer"), ("compare", "run AR and TriForce on the same input")):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--doc", required=True, help="document file (UTF-8 text), or - for stdin")
-        s.add_argument("--prompt", required=True, help="instruction or question")
+        s.add_argument("--doc", help="document file (UTF-8 text), or - for stdin")
+        s.add_argument("--prompt", help="instruction or question")
+        if name == "generate":
+            s.add_argument("--batch", type=Path, metavar="FILE.jsonl", help="decode several requests together, one "
+                           'JSON object a line: {"id", "doc" (a file, relative to FILE) or "document" (text), '
+                           '"prompt", any setting by name}; prints one JSON line per answer as it finishes')
+            s.add_argument("--slots", type=int, default=SEATS, help=f"requests decoded at once with --batch "
+                           f"(default {SEATS}; the rest wait in line)")
         add_settings(s)
         s.add_argument("--draft", help="draft model: hub id, directory or .gguf (default: the preset's; none: no "
                        "draft model)")
@@ -148,6 +155,43 @@ def _summary(f: Finished) -> dict:
     return {"text": f.text, "prompt_ids": f.prompt_ids, "token_ids": f.token_ids, "stats": f.stats.to_dict()}
 
 
+def read_batch(path: Path, preset: Preset | None, typed: dict) -> list[Request]:
+    """The requests of a --batch file: one JSON object a line (blank lines skipped), each with an "id", a "doc" file
+    (relative to the batch file) or "document" text, a "prompt" and any settings by name over the flags typed and the
+    preset's; a bad line is refused in one line naming it."""
+    known = set(settings())
+    requests = []
+    for number, line in enumerate(read_document(str(path)).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TriForceError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(item, dict):
+            raise TriForceError(f"{where}: not a JSON object")
+        unknown = set(item) - known - {"id", "doc", "document", "prompt"}
+        if unknown:
+            raise TriForceError(f"{where}: unknown field {brief(sorted(unknown)[0])}")
+        if ("doc" in item) == ("document" in item):
+            raise TriForceError(f"{where}: give either \"doc\" (a file) or \"document\" (text)")
+        document = read_document(str(path.parent / item["doc"])) if "doc" in item else item["document"]
+        prompt = item.get("prompt")
+        if not isinstance(document, str) or not isinstance(prompt, str):
+            raise TriForceError(f"{where}: \"document\" and \"prompt\" must be text")
+        check_text("document", document)
+        check_text("question", prompt)
+        try:
+            cfg = preset_config(preset, **{**typed, **{k: v for k, v in item.items() if k in known}}).validate()
+        except TypeError as e:
+            raise TriForceError(f"{where}: {e}") from None
+        requests.append(Request(str(item.get("id", number)), document, prompt, config=cfg))
+    if not requests:
+        raise TriForceError(f"{path.name}: no requests")
+    return requests
+
+
 def read_document(path: str) -> str:
     """The text of a document file (or of stdin for "-"), read as far as an allowed document can reach: UTF-8 takes
     at most 4 bytes a character; newlines are translated as in text mode."""
@@ -207,14 +251,34 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
     if args.command == "compare" and getattr(args, "method", None) == "ar":  # said, not silently compared with auto
         raise TriForceError("compare runs autoregressive decoding beside method auto or triforce: --method ar would "
                             "compare it with itself; give --method auto or --method triforce")
-    document = read_document(args.doc)
-    check_text("document", document)  # bad input is refused in one line, before any progress line or model load
-    check_text("question", args.prompt)
+    batch = getattr(args, "batch", None)
+    if batch is None and (args.doc is None or args.prompt is None):
+        raise TriForceError(f"{args.command} needs --doc and --prompt" +
+                            (" (or --batch FILE.jsonl)" if args.command == "generate" else ""))
+    if batch is not None and (args.doc is not None or args.prompt is not None):
+        raise TriForceError("--batch takes each request's document and prompt from its file: drop --doc and --prompt")
+    if batch is None:
+        document = read_document(args.doc)
+        check_text("document", document)  # bad input is refused in one line, before any progress line or model load
+        check_text("question", args.prompt)
     preset, target, draft = resolve_preset(args.target, args.draft)  # known before loading: bad flags refused at once
     for source in [target] + ([draft] if draft not in (None, "", "none") else []):
         load_config(source)  # a corrupt file or a model needing its own code: refused before loading begins
     typed = typed_settings(args)
     applied = None if tp and tp.rank else preset_note(preset, typed)
+    if batch is not None:
+        if tp is not None:
+            raise TriForceError("--batch runs in one process: drop --tp")
+        requests = read_batch(batch, preset, typed)  # every line checked before the models load
+        progress = Progress(args.target, quiet=args.quiet)
+        engine = Engine.load(args.target, args.draft, args.device, args.dtype, progress=progress.loading,
+                             gpu_memory_gib=args.gpu_memory_gib)
+        if applied:
+            progress.say(applied)
+        for tagged in engine.generate_many(requests, args.slots):
+            if isinstance(tagged.event, Finished):
+                print(json.dumps({"id": tagged.key, **_summary(tagged.event)}), flush=True)
+        return 0
     # compare: autoregressive decoding against the method asked for (auto unless triforce)
     methods = [{}] if args.command == "generate" else \
         [{"method": "ar"}, {"method": "triforce" if typed.get("method") == "triforce" else "auto"}]
