@@ -7,7 +7,8 @@ python -m bench.batch --parts random --tokenizer smollm2-135m [--settings 6x19k 
                                                   random weights at the Llama-2-7B shape on a GPU (the paper's Table 4)
 python -m bench.batch --parts real --target T.gguf [--settings 4x16k 8x30k]
                                                   the real Qwen2.5-Coder pair's target (docs/real-models.md)
-Writes bench/results/batch-<device>.json with summary.batch.
+Writes bench/results/batch-<device>.json with summary.batch, and merges those keys into bench/results/batch.json (the
+CPU's and a GPU's together).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from bench.common import DOCS, LLAMA2_7B, environment, random_model, save, tokenizer_of
+from bench.common import DOCS, LLAMA2_7B, environment, merge_summary, random_model, save, tokenizer_of
 from core import Engine, GenerationConfig
 from core.batching import Request
 from core.events import Finished, PrefillProgress, StepTiming, Tokens
@@ -196,6 +197,7 @@ def main() -> None:
     payload = {**environment(), "gpu": device, "summary": {"batch": summary}, "results": results}
     print(json.dumps(summary, indent=1))
     print(f"saved {save('batch-' + device, payload)}")
+    print(f"summary merged into {merge_summary('batch', 'batch', summary)}")  # the CPU's and a GPU's keys together
 
 
 if __name__ == "__main__":
