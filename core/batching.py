@@ -8,23 +8,37 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol
 
 import torch
 
 from core.cache.kvcache import KVCache
-from core.cache.memory import GiB, Plan
+from core.cache.memory import GiB, Memory, Plan
 from core.cache.retrieval import Retrieval
 from core.config import AUTO_GAMMA2, MAX_SLOTS, SEATS, GenerationConfig, TriForceError
 from core.decode.batch import Batch, Slot
+from core.decode.graphs import Graphs
 from core.decode.levels import Level, Stopped
 from core.decode.output import Output
 from core.events import Event, Finished, Footprint, PrefillProgress, PromptReady, Stats
 from core.io.prompting import Prompt, build_prompt
+from core.model.transformer import Transformer
 from core.plan.batch import BatchPlanner
 
-if TYPE_CHECKING:
-    from core.engine import Engine
+
+class Host(Protocol):
+    """What a batch takes of its engine (core.engine.Engine): the target and its tokenizer, the context, the memory
+    plan, the CUDA graphs, the default settings and the prefill's chunk."""
+
+    target: Transformer
+    tokenizer: object
+    context_length: int
+    memory: Memory
+    graphs: Graphs | None
+
+    def settings(self, **changes) -> GenerationConfig: ...
+
+    def prefill_chunk(self) -> int: ...
 
 
 @dataclass
@@ -81,7 +95,7 @@ class BatchRun:
     holds beside each other; the others wait in line, first come first served. `step` does one piece of work (a
     prefill chunk and a round) and returns the events it produced."""
 
-    def __init__(self, engine: Engine, slots: int = SEATS):
+    def __init__(self, engine: Host, slots: int = SEATS):
         if not 1 <= slots <= MAX_SLOTS:
             raise TriForceError(f"a batch holds 1 to {MAX_SLOTS} requests, not {slots}")
         self.engine, self.slots = engine, slots
