@@ -212,7 +212,8 @@ class BatchRun:
         a.filling, a.t0 = a.level.prefill(ids[:-1], a.chunk, record=1, stop=a.request.stop), time.perf_counter()
 
     def _fill(self, out: list[Tagged]) -> None:
-        """The prefill a chunk further (the whole of it while nothing decodes); once done, the request joins."""
+        """The prefill a chunk further (while nothing decodes, a progress further: its caller hands each over as it
+        comes); once done, the request joins."""
         a = self.filling
         total, chunk_end = len(a.prompt.ids) - 1, a.done + a.chunk
         while True:
@@ -224,7 +225,7 @@ class BatchRun:
             out.append(Tagged(a.request.key, PrefillProgress(done=a.done, total=total,
                                                              seconds=time.perf_counter() - a.t0,
                                                              cache_bytes=a.level.cache.nbytes)))
-            if a.done >= total or (self.running and a.done >= chunk_end):  # (a CPU's prefill yields per layer too)
+            if a.done >= total or not self.running or a.done >= chunk_end:  # (a CPU's prefill yields per layer too)
                 break
         if a.done >= total:
             self.filling = None
