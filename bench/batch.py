@@ -5,8 +5,10 @@ acceptance beside every speed, peak memory, and whether each greedy answer equal
 python -m bench.batch --parts cpu                 the embedded model on this CPU, 1 to 4 requests (cpu_embedded_4)
 python -m bench.batch --parts random --tokenizer smollm2-135m [--settings 6x19k 2x56k 10x12k]
                                                   random weights at the Llama-2-7B shape on a GPU (the paper's Table 4)
-python -m bench.batch --parts real --target T.gguf [--settings 4x16k 8x30k]
+python -m bench.batch --parts real --target qwen2.5-coder-1.5b [--settings 4x16k 8x30k]
                                                   the real Qwen2.5-Coder pair's target (docs/real-models.md)
+python -m bench.batch --parts random-qwen --tokenizer smollm2-135m
+                                                  random weights at that target's shape, 4x16k and 8x30k (speed only)
 Writes bench/results/batch-<device>.json with summary.batch, and merges those keys into bench/results/batch.json (the
 CPU's and a GPU's together).
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from bench.common import DOCS, LLAMA2_7B, environment, merge_summary, random_model, save, tokenizer_of
+from bench.common import DOCS, LLAMA2_7B, QWEN25_15B, environment, merge_summary, random_model, save, tokenizer_of
 from core import Engine, GenerationConfig
 from core.batching import Request
 from core.events import Finished, PrefillProgress, StepTiming, Tokens
@@ -147,9 +149,13 @@ def warm(engine: Engine, tok) -> None:
         batch_run(engine, ids, cfg, 2)
 
 
-def random_engine(tok, context: int) -> Engine:
-    """Random bf16 weights at the Llama-2-7B shape (its vocabulary grown to the tokenizer's), no draft model."""
-    shape = {**LLAMA2_7B, "vocab_size": max(LLAMA2_7B["vocab_size"], len(tok)), "max_position_embeddings": context}
+SHAPES = {"random": ("random_7b_", LLAMA2_7B, ["6x19k", "2x56k", "10x12k"]),
+          "random-qwen": ("random_qwen15_", QWEN25_15B, ["4x16k", "8x30k"])}  # the real pair's target's shape
+
+
+def random_engine(tok, context: int, shape: dict) -> Engine:
+    """Random bf16 weights at a model's shape (its vocabulary grown to the tokenizer's), no draft model."""
+    shape = {**shape, "vocab_size": max(shape["vocab_size"], len(tok)), "max_position_embeddings": context}
     model = random_model(shape)
     model.eos_ids = set()
     return Engine.from_models(model, tok, "random 7b shape", None, None, context)
@@ -157,7 +163,7 @@ def random_engine(tok, context: int) -> Engine:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["cpu"], choices=["cpu", "random", "real"])
+    p.add_argument("--parts", nargs="+", default=["cpu"], choices=["cpu", *SHAPES, "real"])
     p.add_argument("--settings", nargs="+", choices=sorted(SETTINGS))
     p.add_argument("--tokenizer", default="smollm2-135m")
     p.add_argument("--target", help="the real target (a .gguf or preset id)")
@@ -173,11 +179,12 @@ def main() -> None:
             engine = Engine.load(None, "none")
             settings = args.settings or ["1x2k", "2x2k", "4x2k"]
             tok = engine.tokenizer
-        elif part == "random":
+        elif part in SHAPES:
             tok = AutoTokenizer.from_pretrained(args.tokenizer) if Path(args.tokenizer).is_dir() \
                 else tokenizer_of(args.tokenizer)  # a saved tokenizer directory travels where a model cannot
-            settings = args.settings or ["6x19k", "2x56k", "10x12k"]
-            engine = random_engine(tok, max(SETTINGS[s][1] for s in settings) + args.new_tokens + 1024)
+            settings = args.settings or SHAPES[part][2]
+            engine = random_engine(tok, max(SETTINGS[s][1] for s in settings) + args.new_tokens + 1024,
+                                   SHAPES[part][1])
         else:
             engine = Engine.load(args.target, "none")
             settings = args.settings or ["4x16k", "8x30k"]
@@ -186,7 +193,7 @@ def main() -> None:
         for name in settings:
             fixed = {k: v for k, v in (("budget", args.budget), ("gamma2", args.gamma2)) if v}
             r = results[f"{part}_{name}"] = setting_run(engine, tok, name, args.new_tokens, args.check, fixed, args.runs)
-            key = {"cpu": "cpu_embedded_", "random": "random_7b_", "real": "real_"}[part] + name
+            key = {"cpu": "cpu_embedded_", "real": "real_", **{k: v[0] for k, v in SHAPES.items()}}[part] + name
             if part != "cpu" or name == "4x2k":
                 summary[key.replace("4x2k", "4")] = r.get("speedup_auto")
         del engine

@@ -33,11 +33,12 @@ START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 HELD = {"/tmp/Q15.gguf": "qwen2.5-coder-1.5b", "/tmp/q15.gguf": "qwen2.5-coder-1.5b",
         "/tmp/Q05.gguf": "qwen2.5-coder-0.5b", "/tmp/q05.gguf": "qwen2.5-coder-0.5b",
         "/tmp/tok135": "smollm2-135m", ".carry/tok135": "smollm2-135m", "/tmp/tok/smol-tokenizer": "smollm2-135m",
-        ".carry/smol-tokenizer": "smollm2-135m", "/tmp/smol/model.gguf": "smollm2-135m"}
+        ".carry/smol-tokenizer": "smollm2-135m", "/tmp/smol/model.gguf": "smollm2-135m",
+        ".carry/smol-tok": "smollm2-135m", "/tmp/target.gguf": "qwen2.5-coder-1.5b"}
 TAKES_PRESET = {"bench.real": ("--target", "--draft"), "bench.served": ("--target", "--draft", "--tokenizer"),
                 "bench.acceptance": ("--target",),
                 "bench.offload": ("--tokenizer",), "bench.planner": ("--tokenizer",),
-                "bench.auto_overhead": ("--tokenizer",)}
+                "bench.auto_overhead": ("--tokenizer",), "bench.batch": ("--tokenizer", "--target")}
 # The option that names the result file, per script: --out (a path) or --name (bench.real adds "-<GPU>" itself).
 OUT_OPTION = {"bench.gpu": "--out", "bench.gpu_synthetic": "--out", "bench.gpu_real": "--out",
               "bench.gpu_profile": "--out", "bench.cpu": "--name", "bench.acceptance": "--name",
@@ -122,6 +123,14 @@ ABOUT = {
                       "from what an answer whose drafts matched more saw): method auto over "
                       "autoregressive decoding, over the best fixed plan in hindsight, and over the planner it "
                       "replaced (see [method-auto.md](method-auto.md#the-simulator-python--m-benchsimulate))."),
+    "batch-NVIDIA-H200": About("Several requests decoded together (H200)", "B requests of L prompt tokens in one "
+                               "batch, on the GPU's memory: random weights at the Llama-2-7B shape at the paper's "
+                               "Table 4 settings, and the real Qwen2.5-Coder-1.5B; tokens per second over all "
+                               "requests once every one has joined, each method beside batched autoregressive "
+                               "decoding of the same requests (see [batching.md](batching.md))."),
+    "batch-cpu": About("Several requests decoded together (CPU)", "The embedded model, 1 to 4 requests of ~2K tokens."),
+    "batch": About("Batching's figures, gathered", "The ratio of method auto over autoregressive decoding, both "
+                   "batched, for each setting of the CPU's and the GPU's batch benchmarks."),
     "cpu-steps": About("What a step costs on this CPU, piece by piece", "The embedded model at ~8K tokens: a "
                        "forward by rows on the full and the retrieval cache, the distributions by rows, and a "
                        "level-2 step against a full one as method auto sees it."),
@@ -449,6 +458,14 @@ def figures(stem: str, data: dict) -> Iterator[str]:
         yield ""
         yield ("What each profile assumes where no benchmark recorded a figure is listed under `assumed` in the "
                "file.")
+    elif stem.startswith("batch-") and "results" in data:
+        yield from grid(["setting", "method", "sampling", "tokens/s", "ratio", "level-2 acc.", "level-3 step ms",
+                         "level-2 step ms", "greedy = single"], (
+            [name.split("_", 1)[1], r["method"], "greedy" if r["greedy"] else SAMPLED, f"{r['tokens_per_s']:.0f}",
+             f"{r['tokens_per_s'] / base['runs']['ar' if r['greedy'] else 'ar_sampled']['tokens_per_s']:.2f}×",
+             share(r["level2_acceptance"]), cell(r.get("level3_ms")), cell(r.get("level2_step_ms")),
+             cell(all(base["greedy_identical"])) if r["greedy"] and r["method"] != "ar" else ""]
+            for name, base in data["results"].items() for r in base["runs"].values()))
     elif stem == "served-stop":
         yield "Seconds from Stop until a short run then finished: " + ", ".join(
             f"{x:.1f}" for x in data["seconds_until_next_run_finished"]) + "."
