@@ -2,7 +2,7 @@
 (Engine.generate_many), throughput over all requests once every one has joined, each request's latency, level-2
 acceptance beside every speed, peak memory, and whether each greedy answer equals its single-request one.
 
-python -m bench.batch --parts cpu                 the embedded model on this CPU, 1 to 4 requests (cpu_embedded_4)
+python -m bench.batch --parts cpu                 the embedded model on this CPU, 1 to 4 requests of 4K tokens
 python -m bench.batch --parts random --tokenizer smollm2-135m [--settings 6x19k 2x56k 10x12k]
                                                   random weights at the Llama-2-7B shape on a GPU (the paper's Table 4)
 python -m bench.batch --parts real --target qwen2.5-coder-1.5b [--settings 4x16k 8x30k]
@@ -32,7 +32,7 @@ from core.batching import Request
 from core.events import Finished, PrefillProgress, StepTiming, Tokens
 
 SETTINGS = {"6x19k": (6, 19_000), "2x56k": (2, 56_000), "10x12k": (10, 12_000), "4x16k": (4, 16_000),
-            "8x30k": (8, 30_000), "1x2k": (1, 2_000), "2x2k": (2, 2_000), "4x2k": (4, 2_000)}
+            "8x30k": (8, 30_000), "1x4k": (1, 4_000), "2x4k": (2, 4_000), "4x4k": (4, 4_000)}
 SAMPLED = {"temperature": 0.6, "top_p": 0.9}
 INSTRUCTION = "Summarise the document so far."
 
@@ -116,14 +116,14 @@ def setting_run(engine: Engine, tok, name: str, new_tokens: int, check: int, fix
     runs = {}
     for label in labels:
         settings = {**RUNS[label], **(fixed if label.startswith("triforce") else {})}
-        cfg = GenerationConfig(max_new_tokens=new_tokens, drafter="none", **settings).validate()
+        cfg = engine.settings(max_new_tokens=new_tokens, drafter="none", **settings).validate()  # the preset's
         runs[label] = batch_run(engine, ids, cfg, count)
         r = runs[label]
         print(f"{name} {label}: {r['tokens_per_s']:.1f} tokens/s, acceptance {r['level2_acceptance']}, rounds "
               f"{r['rounds']}, level 3 {r['level3_ms']} ms, level 2 {r['level2_step_ms']} ms x {r['level2_steps']}, "
               f"plans {r['plans'][:4]}", flush=True)
         gc.collect()
-    greedy_ar = GenerationConfig(max_new_tokens=new_tokens, method="ar", greedy=True).validate()
+    greedy_ar = engine.settings(max_new_tokens=new_tokens, method="ar", greedy=True).validate()
     greedy = [label for label in ("triforce", "auto") if label in runs]
     identical = [all(single_ids(engine, ids[i], greedy_ar) == runs[label]["token_ids"][i] for label in greedy)
                  for i in range(min(check, count))] if greedy else []
@@ -145,7 +145,7 @@ def warm(engine: Engine, tok) -> None:
     ids = prompts(tok, 2, 1000)
     for settings in ({"method": "ar", "greedy": True}, {"method": "triforce", "greedy": True},
                      {"method": "auto", **SAMPLED}):
-        cfg = GenerationConfig(max_new_tokens=40, drafter="none", **settings).validate()
+        cfg = engine.settings(max_new_tokens=40, drafter="none", **settings).validate()
         batch_run(engine, ids, cfg, 2)
 
 
@@ -177,7 +177,7 @@ def main() -> None:
     for part in args.parts:
         if part == "cpu":
             engine = Engine.load(None, "none")
-            settings = args.settings or ["1x2k", "2x2k", "4x2k"]
+            settings = args.settings or ["1x4k", "2x4k", "4x4k"]
             tok = engine.tokenizer
         elif part in SHAPES:
             tok = AutoTokenizer.from_pretrained(args.tokenizer) if Path(args.tokenizer).is_dir() \
@@ -194,8 +194,8 @@ def main() -> None:
             fixed = {k: v for k, v in (("budget", args.budget), ("gamma2", args.gamma2)) if v}
             r = results[f"{part}_{name}"] = setting_run(engine, tok, name, args.new_tokens, args.check, fixed, args.runs)
             key = {"cpu": "cpu_embedded_", "real": "real_", **{k: v[0] for k, v in SHAPES.items()}}[part] + name
-            if part != "cpu" or name == "4x2k":
-                summary[key.replace("4x2k", "4")] = r.get("speedup_auto")
+            if part != "cpu" or name == "4x4k":
+                summary[key.replace("4x4k", "4")] = r.get("speedup_auto")
         del engine
         gc.collect()
         if torch.cuda.is_available():

@@ -59,6 +59,8 @@ MIXES = {
                                                                                gamma2=3)],
     "sampled triforce": [dict(method="triforce", temperature=0.8, seed=s) for s in range(4)],
     "sampled autoregressive": [dict(method="ar", temperature=0.8, top_p=0.9, seed=s) for s in range(4)],
+    "sampled triforce with a repetition penalty": [dict(method="triforce", temperature=0.8, seed=s,
+                                                        repetition_penalty=1.3) for s in range(4)],
 }
 
 

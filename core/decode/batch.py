@@ -187,6 +187,8 @@ class Batch:
                     s.level2.forwards += 1
             logits = self.model.head(hidden, self.model.ops.drafting())
             for s, row in zip(active, logits):
+                if s.repetition.active:  # level 2 drafts as level 3 will judge (the drafted ids read back: a wait)
+                    row = s.repetition(row[None], s.seq, [int(t) for t in drawn[id(s)]])[0]
                 s.q.append(distributions(row[None], s.cfg)[0])
                 drawn[id(s)].append(draw(s.q[-1], s.generator))
         tokens = torch.cat([t for s in slots for t in drawn[id(s)]]).tolist()  # the one wait
