@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from bench.common import DOCS, LLAMA2_7B, QWEN25_15B, environment, merge_summary, random_model, save, tokenizer_of
+from bench.common import (DOCS, LLAMA2_7B, QWEN25_15B, earlier_today, environment, merge_summary, random_model,
+                          result_path, save, tokenizer_of)
 from core import Engine, GenerationConfig
 from core.batching import Request
 from core.events import Finished, PrefillProgress, StepTiming, Tokens
@@ -201,7 +202,10 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     device = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
-    payload = {**environment(), "gpu": device, "summary": {"batch": summary}, "results": results}
+    old, env = earlier_today(result_path("batch-" + device)), environment()  # today's other parts are kept
+    payload = {**env, "gpu": device, "commands": old.get("commands", [old["command"]] if old else []) + [env["command"]],
+               "summary": {"batch": {**old.get("summary", {}).get("batch", {}), **summary}},
+               "results": {**old.get("results", {}), **results}}
     print(json.dumps(summary, indent=1))
     print(f"saved {save('batch-' + device, payload)}")
     print(f"summary merged into {merge_summary('batch', 'batch', summary)}")  # the CPU's and a GPU's keys together
