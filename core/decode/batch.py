@@ -230,7 +230,7 @@ class Batch:
             a += n
             p = distributions(s.repetition(rows, s.seq, s.draft), s.cfg)
             accepted, token = speculative_verify(s.draft, torch.stack(s.q) if s.q else None, p, s.generator)
-            if s.draft:
+            if s.drafts:  # every round of a drafting method has level 3's verdict, one that drafted nothing too
                 s.counts.count(2, len(s.draft), accepted)
                 s.events.append(Verdict(level=3, round=s.rounds, proposed=s.draft, accepted=accepted, token=token,
                                         bonus=accepted == len(s.draft)))
