@@ -1,12 +1,14 @@
 """Fair service: one visitor cannot hold the others back.
 
-Generation jobs share one device, one job at a time, first come first served (Gradio's queue, one concurrency group).
-That queue admits at most VISITOR_JOBS jobs per visitor (Gradio's session), running or waiting, and WAITING_JOBS
-waiting in all; a job past either bound is refused at once, in one line that says why and how long the wait is, and
-an admitted job that has to wait is told its place and the wait. A job's generation stops at a wall-time bound
-(run_seconds), its answer so far kept. With one job per visitor and a bounded run, a flood from one session puts at
-most one of its runs ahead of another visitor's, so that visitor waits at most one run's bound. (Batched decoding,
-when it comes, gives its batch slots out under the same per-visitor bound.)
+Generation jobs share one device. Off a ZeroGPU Space they decode together in one batch of `seats`
+(app.inference.BATCHED: core.serving.BatchServer): every admitted job's handler runs at once, reading its own
+request's stream, and the jobs past the seats wait in the batch's line, first come first served, each told its
+place. On ZeroGPU there is no batch: one job at a time through Gradio's queue (one seat). Either way the admitted
+jobs are at most VISITOR_JOBS per visitor (Gradio's session), running or waiting, and WAITING_JOBS waiting beyond
+the seats; a job past either bound is refused at once, in one line that says why and how long the wait is, and an
+admitted job that has to wait is told its place and the wait. A job's generation stops after a bound of time with a
+seat (run_seconds; waiting in line does not count), its answer so far kept. With one job per visitor and a bounded
+run, a flood from one session holds at most one seat, so another visitor waits at most for seats to turn over.
 
 Uploads: the bytes one address may upload in a window are bounded before Gradio reads them (UploadBudget), and the
 files a session used are deleted when it ends (or when it has uploaded UPLOADS_KEPT newer ones)."""
@@ -35,7 +37,7 @@ from app.documents import MAX_UPLOAD_BYTES
 from app.refusals import cut, log
 
 VISITOR_JOBS = 1  # generation jobs one visitor may hold, its running one included
-WAITING_JOBS = 16  # generation jobs waiting in all (the running one aside)
+WAITING_JOBS = 16  # generation jobs waiting in all (those with a seat aside)
 QUEUE_EVENTS = 64  # every kind of event waiting at once: Gradio's own max_size, a backstop behind the bounds above
 RUN_SECONDS_ENV = "TRIFORCE_RUN_SECONDS"
 RUN_SECONDS = 180.0  # a job's generation time, by default: a few hundred tokens of the embedded model on a CPU
@@ -78,17 +80,31 @@ def span(seconds: float) -> str:
 
 @dataclass
 class Deadline:
-    """The end of one job's time: `seconds` (run_seconds) from when it is made."""
+    """The end of one job's time: `seconds` (run_seconds) on its clock, which runs from when it is made except while
+    the job waits in the batch's line (`wait`, then `go`): a visitor's bound is spent decoding, not waiting."""
 
     seconds: float
-    end: float = field(init=False)
+    spent: float = field(init=False, default=0.0)
+    since: float | None = field(init=False, default=None)  # when the clock last started; None while it waits
 
     def __post_init__(self) -> None:
-        self.end = time.monotonic() + self.seconds
+        self.go()
+
+    def wait(self) -> None:
+        """Stop the clock: the job waits for a seat."""
+        if self.since is not None:
+            self.spent += time.monotonic() - self.since
+            self.since = None
+
+    def go(self) -> None:
+        """Start the clock again: the job has its seat."""
+        if self.since is None:
+            self.since = time.monotonic()
 
     def passed(self) -> bool:
         """Whether the job's time is up."""
-        return time.monotonic() >= self.end
+        running = time.monotonic() - self.since if self.since is not None else 0.0
+        return self.spent + running >= self.seconds
 
 
 def size(n: float) -> str:
@@ -109,30 +125,41 @@ def out_of_time_line(seconds: float, tokens: int) -> str:
 
 @dataclass
 class Line:
-    """The generation queue at one moment: who runs, who waits (first in line first), for how long the running job
-    has run, how long a job has taken on average (None before one finished), and the bound on a job's run."""
+    """The generation jobs at one moment: those Gradio runs and those waiting in its queue (first come first), for
+    how long the oldest running job has run (0 with several seats: unknown per job, so a wait is not promised
+    short), how long a job has taken on average (None before one finished), the bound on a job's run, and the seats:
+    the first `seats` jobs decode, the others wait (in Gradio's queue with one seat; in the batch's line with
+    several, their handlers running)."""
 
     running: list[str]
     waiting: list[str]
     elapsed: float
     typical: float | None
     bound: float
+    seats: int = 1
+
+    @property
+    def jobs(self) -> list[str]:
+        """Every admitted job's visitor, first come first."""
+        return self.running + self.waiting
 
     def held_by(self, visitor: str) -> int:
         """Jobs of `visitor` running or waiting."""
-        return self.running.count(visitor) + self.waiting.count(visitor)
+        return self.jobs.count(visitor)
 
-    def wait(self, waiting: int) -> str:
-        """How long a job behind the running one and `waiting` waiting ones waits: "about X, at most Y" (only the
-        most before a job has finished; runs are cut at the bound, loading a model aside)."""
-        if not self.running and not waiting:
+    def wait(self, ahead: int) -> str:
+        """How long a job waits for a seat with `ahead` jobs waiting before it: "about X, at most Y". Seats turn over
+        `seats` at a time, each within a run's bound (runs are cut at the bound, loading a model aside); only the
+        most before a job has finished."""
+        if not ahead and len(self.running) < self.seats:
             return "no time"
+        turns = ahead // self.seats  # whole turnovers of the seats before its own
         left = max(self.bound - self.elapsed, 0.0) if self.running else 0.0
-        most = left + waiting * self.bound
+        most = left + turns * self.bound
         if self.typical is None:
             return f"at most {span(most)}"
         typical = min(self.typical, self.bound)
-        about = (min(max(typical - self.elapsed, 0.0), left) if self.running else 0.0) + waiting * typical
+        about = (min(max(typical - self.elapsed, 0.0), left) if self.running else 0.0) + turns * typical
         return f"about {span(about)}, at most {span(most)}"
 
 
@@ -150,8 +177,8 @@ def _visitor_of(event: QueuedEvent) -> str:
     return visitor(None if event.session_hash == event._id else event.session_hash, event.request)
 
 
-def line(queue: Queue, concurrency_id: str, bound: float) -> Line:
-    """The generation queue (the events of `concurrency_id`) as Gradio's queue holds it now."""
+def line(queue: Queue, concurrency_id: str, bound: float, seats: int = 1) -> Line:
+    """The generation jobs (the events of `concurrency_id`) as Gradio's queue holds them now."""
     events = queue.event_queue_per_concurrency_id.get(concurrency_id)
     running = [_visitor_of(event) for job in queue.active_jobs if job for event in job
                if event.concurrency_id == concurrency_id]
@@ -159,23 +186,32 @@ def line(queue: Queue, concurrency_id: str, bound: float) -> Line:
     done = [times for fn, times in queue.process_time_per_fn.items() if fn.concurrency_id == concurrency_id
             and times.count]
     typical = sum(t.process_time for t in done) / sum(t.count for t in done) if done else None
-    return Line(running, [_visitor_of(event) for event in (events.queue if events else [])],
-                time.time() - min(starts) if starts and running else 0.0, typical, bound)
+    elapsed = time.time() - min(starts) if starts and running and seats == 1 else 0.0
+    return Line(running, [_visitor_of(event) for event in (events.queue if events else [])], elapsed, typical, bound,
+                seats)
 
 
 def admission(now: Line, who: str) -> str | None:
     """Why a new job of `who` is refused (one line, with the wait), or None when it is admitted."""
     if now.held_by(who) >= VISITOR_JOBS:
-        if who in now.running:
-            return (f"Your earlier run is still going (one run at a time per visitor); it ends within "
-                    f"{span(max(now.bound - now.elapsed, 0))}. Wait for it, or press Stop and run again.")
-        place = now.waiting.index(who)
+        ahead = now.jobs.index(who) - now.seats  # jobs waiting before it; below 0: it has a seat
+        if who in now.running and ahead < 0:
+            ends = span(max(now.bound - now.elapsed, 0)) if now.seats == 1 else f"{span(now.bound)} of its start"
+            return (f"Your earlier run is still going (one run at a time per visitor); it ends within {ends}. Wait "
+                    f"for it, or press Stop and run again.")
         return (f"Your earlier run is still waiting (one run at a time per visitor): it starts in "
-                f"{now.wait(place)}. Wait for it, or press Stop and run again.")
-    if len(now.waiting) >= WAITING_JOBS:
-        return (f"The queue is full ({plural(len(now.waiting), 'run')} waiting for the one device): a place frees in "
-                f"{now.wait(0)}. Try again then.")
+                f"{now.wait(max(ahead, 0))}. Wait for it, or press Stop and run again.")
+    if len(now.jobs) >= now.seats + WAITING_JOBS:
+        device = "the one device" if now.seats == 1 else "a seat in the batch"
+        return (f"The queue is full ({plural(len(now.jobs) - now.seats, 'run')} waiting for {device}): a place "
+                f"frees in {now.wait(0)}. Try again then.")
     return None
+
+
+def concurrent_jobs(seats: int, batched: bool) -> int:
+    """Generation jobs Gradio runs at once: in a batch every admitted one (those with a seat and those in the
+    batch's line, each handler reading its own stream), else one (the others wait in Gradio's queue)."""
+    return seats + WAITING_JOBS if batched else 1
 
 
 def _refused(queue: Queue, fn: Any, body: Any, request: Any, username: str | None, message: str
@@ -194,10 +230,10 @@ def _refused(queue: Queue, fn: Any, body: Any, request: Any, username: str | Non
     return True, event._id, "success"
 
 
-def serve(demo: gr.Blocks, concurrency_id: str) -> gr.Blocks:
+def serve(demo: gr.Blocks, concurrency_id: str, seats: int = 1) -> gr.Blocks:
     """Queue `demo` fairly: Gradio's queue with QUEUE_EVENTS at most and one job at a time by default, and every job
-    of `concurrency_id` admitted as `admission` says (Gradio has no per-session bound of its own, so its queue's push
-    is wrapped); each session's uploads are deleted when it ends."""
+    of `concurrency_id` admitted as `admission` says with `seats` decoding at once (Gradio has no per-session bound
+    of its own, so its queue's push is wrapped); each session's uploads are deleted when it ends."""
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_EVENTS)
     queue = demo._queue
     push = queue.push
@@ -208,18 +244,18 @@ def serve(demo: gr.Blocks, concurrency_id: str) -> gr.Blocks:
         if fn is None or fn.concurrency_id != concurrency_id:
             return await push(body, request, username)
         async with admitting:
-            now = line(queue, concurrency_id, run_seconds())
+            now = line(queue, concurrency_id, run_seconds(), seats)
             who = visitor(body.session_hash, request)
             if refusal := admission(now, who):
                 log.warning("refused (queue): %s: %s", cut(repr(who), 40), refusal)
                 return _refused(queue, fn, body, request, username, refusal)
             admitted = await push(body, request, username)
         event = queue.event_ids_to_events.get(admitted[1]) if admitted[0] else None
-        if event is not None and (now.running or now.waiting):
-            ahead = len(now.running) + len(now.waiting)
+        if event is not None and len(now.jobs) >= seats:  # no seat free: it waits
+            together = f" ({seats} decode at once)" if seats > 1 else ""
             queue.send_message(event, LogMessage(
-                log=f"{plural(ahead, 'run')} ahead of yours: it starts in "
-                    f"{now.wait(len(now.waiting))} (every run stops at {span(now.bound)}).",
+                log=f"{plural(len(now.jobs), 'run')} ahead of yours{together}: it starts in "
+                    f"{now.wait(len(now.jobs) - seats)} (every run stops at {span(now.bound)}).",
                 level="info", title="Queued", duration=10))
         return admitted
 
