@@ -24,6 +24,15 @@ class ShownVerdict(Verdict):
     proposed_texts: list[str] = field(default_factory=list)
 
 
+@dataclass
+class InLine(Event):
+    """The run waits for a seat in the app's batch: `place` in line (1: next), `seats` runs decoding at once. Made
+    on the app's side (app.inference), never sent as a dict."""
+
+    place: int
+    seats: int
+
+
 def typed(data: dict) -> Event:
     """The typed event of an event dict from the engine's side (Event.to_dict(), a Verdict with its texts)."""
     if data.get("kind") == "Verdict" and "proposed_texts" in data:
@@ -80,9 +89,12 @@ class RunState:
     """Everything the views need about one generation, built only from events."""
 
     method: str = "triforce"
+    batched: bool = False  # decoded in the app's batch, beside other visitors' runs (level 2 drafts alone there)
     started: float = field(default_factory=time.monotonic)  # reset when the prompt is ready (the engine's clock)
     stage: str = "starting"
     load_fraction: float = 0.0
+    place: int = 0  # its place in the batch's line while it waits for a seat (stage "waiting")
+    seats: int = 0
     prompt_tokens: int = 0
     document_tokens: int = 0
     dropped_tokens: int = 0
@@ -257,6 +269,8 @@ def apply_event(state: RunState, event: Event, now: float | None = None) -> RunS
     match event:
         case Loading():
             state.stage, state.load_fraction = f"loading {event.stage}", event.fraction
+        case InLine():
+            state.stage, state.place, state.seats = "waiting", event.place, event.seats
         case PromptReady():
             _prompt(state, event, now)
         case PrefillProgress():
@@ -318,7 +332,8 @@ def live_stats(state: RunState, now: float | None = None) -> dict:
             "caches": state.caches, "host_link_bytes_per_token": s.host_link_bytes / max(s.new_tokens, 1) or None,
             "drafts_ahead": (s.ahead_kept, s.ahead_made) if s.ahead_made else None,
             "warmup_s": s.warmup_s, "plans": [{"round": p.round, "plan": p.plan, "reason": p.reason}
-                                              for p in state.plans], "finished": state.finished}
+                                              for p in state.plans], "finished": state.finished,
+            "shared_with": s.shared_with if state.finished else None}
 
 
 LEVEL1_LABELS = {"model": "draft model + StreamingLLM cache", "ngram": "n-gram lookup in the text"}

@@ -40,6 +40,12 @@ def plural(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, …, 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _rejection_class(rejection: Rejection) -> str:
     return f"r{rejection[0]}{rejection[1]}"
 
@@ -220,6 +226,10 @@ def stats_markdown(stats: dict) -> str:
         rows.append(("level-2 drafts made ahead, during level 3 (used)", f"{made} ({kept} used)"))
     if stats.get("warmup_s"):
         rows.append(("warm-up (CUDA graphs captured, not in decode time)", f"{stats['warmup_s']:.2f} s"))
+    if stats.get("shared_with") is not None:
+        beside = stats["shared_with"]
+        rows.append(("decoded beside other runs (most at once)",
+                     f"{beside} (batched)" if beside else "none: it ran alone"))
     if stats.get("device"):
         rows.append(("device · dtype", f"{stats['device']} · {stats.get('dtype', '')}"))
     if stats.get("dropped_tokens"):
@@ -251,11 +261,23 @@ def autoregressive_tokens(state: RunState) -> int:
     return sum(1 for _, provenance in state.pieces if provenance == "target")
 
 
+def triforce_levels(state: RunState) -> str:
+    """The levels a TriForce run drafts through: 1 → 2 → 3, or 2 → 3 where no level 1 ran (in the app's batch, where
+    level 2 drafts alone, or with drafter none)."""
+    alone = state.batched or (state.final_stats is not None and state.final_stats.drafter == "none")
+    return "levels 2 → 3" if alone else "levels 1 → 2 → 3"
+
+
+def method_name(state: RunState) -> str:
+    """A run's method as a heading names it (METHOD_NAMES), TriForce's levels those it drafts through."""
+    return f"TriForce ({triforce_levels(state)})" if state.method == "triforce" else METHOD_NAMES[state.method]
+
+
 def what_ran(state: RunState) -> str:
     """What a run's decoding actually did, in a few words: a method auto run names the hierarchies its planner chose,
     in order, and says how many of its tokens were decoded autoregressively."""
     if state.method != "auto":
-        return "autoregressive" if state.method == "ar" else "levels 1 → 2 → 3"
+        return "autoregressive" if state.method == "ar" else triforce_levels(state)
     kinds: list[str] = []
     for plan in state.plans:
         if not kinds or kinds[-1] != plan_kind(plan.plan):
@@ -269,7 +291,7 @@ def what_ran(state: RunState) -> str:
 
 def run_heading(state: RunState) -> str:
     """A Compare column's heading: the method and, for method auto, what it ran."""
-    heading = f"**{METHOD_NAMES[state.method]}**"
+    heading = f"**{method_name(state)}**"
     return heading + (f" · ran {what_ran(state)}" if state.method == "auto" and state.plans else "")
 
 
@@ -281,6 +303,18 @@ def run_label(state: RunState) -> str:
         return name
     n, plain = len(state.pieces), autoregressive_tokens(state)
     return f"{name}: " + ("autoregressive" if plain == n else "drafting" if not plain else f"{plain}/{n} tokens AR")
+
+
+def sharing_line(state: RunState) -> str | None:
+    """Whether a finished run had the device to itself: "ran alone", or beside how many other requests (its speed,
+    and a ratio against it, then not a clean single-request figure); None before it finished."""
+    if state.final_stats is None:
+        return None
+    beside = state.final_stats.shared_with
+    if not beside:
+        return f"{method_name(state)} ran alone"
+    return (f"{method_name(state)} ran beside {plural(beside, 'other request')} — its ratio is not a clean "
+            "single-request figure")
 
 
 def plan_line(state: RunState) -> str | None:
@@ -306,6 +340,9 @@ def status_markdown(state: RunState) -> str:
     if state.finished:
         reason = state.final_stats.stop_reason or "done"
         line = f"✅ Finished ({reason}): {len(state.token_ids)} tokens."
+    elif state.stage == "waiting":
+        line = (f"⏳ Waiting: {ordinal(state.place)} in line for the batch (up to {plural(state.seats, 'run')} "
+                "decode at once, their prompts read one at a time)")
     elif state.stage == "prefill":
         share = f"{state.prefill_done / state.prefill_total:.0%} of " if state.prefill_total else ""
         line = f"⏳ Prefill: {share}the {state.prompt_tokens:,}-token prompt ({state.prefill_s:.1f} s)"
