@@ -16,18 +16,18 @@ import gradio as gr
 from app.documents import DocumentError, load_samples, read_document
 from app.explainer import CPU_NOTE, engine_table
 from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap
-from app.inference import (ModelLoadError, OutOfTime, counting_engine, load_engine, loaded_infos, preset_engine,
-                           stream_events)
+from app.inference import (BATCHED, ModelLoadError, OutOfTime, counting_engine, load_engine, loaded_infos,
+                           preset_engine, stream_events)
 from app.presets import PRESET_SETTINGS, Preset, panel_overrides, preset_by_name
 from app.refusals import quote, quoted_in, refuse
 from app.service import Deadline, keep_upload, out_of_time_line, run_seconds
 from app.settings import build_config, parse, widget_args
-from app.state import RunState, apply_event, budget_share, live_stats, raw_data
-from app.views import (COMPARE_METHODS, METHOD_NAMES, SHORT_NAMES, answer_html, document_html, plan_line, run_heading,
-                       run_label, stats_for, stats_markdown, status_markdown, timeline_html)
+from app.state import InLine, RunState, apply_event, budget_share, live_stats, raw_data
+from app.views import (COMPARE_METHODS, SHORT_NAMES, answer_html, document_html, method_name, plan_line, run_heading,
+                       run_label, sharing_line, stats_for, stats_markdown, status_markdown, timeline_html)
 from core import GenerationConfig, TriForceError
 from core.decode import difference_note, first_difference
-from core.events import Event, Finished, PromptReady, RetrievalSelection
+from core.events import Event, Finished, PromptReady, RetrievalSelection, Tokens
 from core.io import document_fit, gpu_only_note
 
 PLOT_INTERVAL_S = 0.25  # heatmap and document view: at most 4 updates per second
@@ -158,12 +158,14 @@ def _settings(method: str, values: Mapping[str, Any]) -> GenerationConfig:
 
 def _on_device(preset: Preset, *configs: GenerationConfig) -> list[GenerationConfig]:
     """The configs as the preset's device runs them. Offload "on" keeps the full KV cache in CPU memory and streams
-    it to a GPU layer by layer: without a GPU every cache is in CPU memory already, so there it runs as "auto" and a
-    warning says so (the status would otherwise describe a cache streamed to a GPU that is not there)."""
+    it to a GPU layer by layer: without a GPU every cache is in CPU memory already, and in the app's batch every
+    cache stays on the GPU (core.batching), so there it runs as "auto" and a warning says why (the status would
+    otherwise describe a cache streamed to a GPU that is not there)."""
     device = preset_engine(preset).target.device.type
-    if device == "cuda" or all(config.offload != "on" for config in configs):
+    if (device == "cuda" and not BATCHED) or all(config.offload != "on" for config in configs):
         return list(configs)
-    gr.Warning(f"{gpu_only_note('Offload on', device)}: every cache is in CPU memory already.")
+    gr.Warning(f"{gpu_only_note('Offload on', device)}: every cache is in CPU memory already." if device != "cuda"
+               else "Offload on has no effect here: runs decode together in one batch, every cache on the GPU.")
     return [dataclasses.replace(config, offload="auto") for config in configs]
 
 
@@ -186,12 +188,12 @@ def _prepare(values: Mapping[str, Any]) -> tuple[Preset, str, str]:
 
 
 def _stream(preset: Preset, document: str, instruction: str, config: GenerationConfig, state: RunState,
-            deadline: Deadline | None = None) -> Iterator[Event]:
-    """Fold the engine's events into `state` and yield each; engine errors become gr.Error; once `deadline` has
-    passed the generation stops, an OutOfTime last (app.inference.stream_events). The status line says what the run
-    is doing (Gradio's own progress overlay is left off: one place for it)."""
+            deadline: Deadline | None = None, visitor: str = "visitor") -> Iterator[Event]:
+    """Fold the engine's events for `visitor` into `state` and yield each; engine errors become gr.Error; once
+    `deadline` has passed the generation stops, an OutOfTime last (app.inference.stream_events). The status line
+    says what the run is doing (Gradio's own progress overlay is left off: one place for it)."""
     try:
-        for event in stream_events(preset, document, instruction or "", config, deadline and deadline.passed):
+        for event in stream_events(preset, document, instruction or "", config, deadline, visitor):
             apply_event(state, event)
             if isinstance(event, PromptReady) and event.dropped_tokens:
                 gr.Warning(f"The document is longer than the context ({event.context_length:,} tokens): "
@@ -218,9 +220,9 @@ def raw_stats_file(state: RunState) -> str:
     return f.name
 
 
-def run_triforce(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-    """Stream one generation (the method picked: TriForce or auto) from the panel's values by name: frames of
-    status, answer, heatmap, document view, timeline, stats, per-level costs and run state; the full data as a
+def run_triforce(values: Mapping[str, Any], visitor: str = "visitor") -> Iterator[dict[str, Any]]:
+    """Stream `visitor`'s generation (the method picked: TriForce or auto) from the panel's values by name: frames
+    of status, answer, heatmap, document view, timeline, stats, per-level costs and run state; the full data as a
     download once it has finished."""
     config = _settings(_method(values), values)
     mode = values.get("heatmap_mode") or HEATMAP_MODES[0]
@@ -228,20 +230,21 @@ def run_triforce(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
         raise refuse(f"heatmap_mode must be one of {', '.join(HEATMAP_MODES)}, got {quote(mode)}.", "Invalid input")
     chosen, document, instruction = _prepare(values)
     config, = _on_device(chosen, config)
-    deadline = Deadline(run_seconds())  # the job's time runs from here: its models are loaded
-    state = RunState(method=config.method)
+    deadline = Deadline(run_seconds())  # the job's time runs from here (its models are loaded), not while in line
+    state = RunState(method=config.method, batched=BATCHED)
     text_gate, plot_gate = Throttle(TEXT_INTERVAL_S), Throttle(PLOT_INTERVAL_S)
     yield {"status": "⏳ Starting…", "answer": answer_html(None),
            "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": document_html(state),
            "timeline": timeline_html(state), "stats": "", "stats_json": {}, "costs": cost_figure([], None),
            "raw_stats": None, "run_state": state}
-    for event in _stream(chosen, document, instruction, config, state, deadline):
+    for event in _stream(chosen, document, instruction, config, state, deadline, visitor):
         if isinstance(event, OutOfTime):
             yield triforce_frame(state, mode, True) | {"status": out_of_time_line(deadline.seconds, len(state.pieces))}
             return
         now = time.monotonic()
-        force = isinstance(event, (PromptReady, Finished)) or (isinstance(event, RetrievalSelection)
-                                                               and len(state.selection_rounds) == 1)
+        first = (isinstance(event, RetrievalSelection) and len(state.selection_rounds) == 1) or \
+            (isinstance(event, Tokens) and len(state.token_ids) == len(event.ids))  # the first selection or tokens
+        force = first or isinstance(event, (InLine, PromptReady, Finished))
         if text_gate.due(now, force):
             yield triforce_frame(state, mode, plot_gate.due(now, force))
     if not state.finished:  # the stream ended without Finished: show the last state in full
@@ -285,6 +288,9 @@ def comparison_summary(runs: Mapping[str, RunState], greedy: bool) -> tuple[str,
                 for method, s in stats.items() if method != "ar"}
     parts = [f"{SHORT_NAMES[method]} **{speedup:.2f}×**" for method, speedup in speedups.items() if speedup]
     lines = ["### Decode speed against autoregressive: " + (" · ".join(parts) if parts else "—")]
+    sharing = [line for line in map(sharing_line, runs.values()) if line]
+    if sharing:  # a run decoded beside other visitors' requests went at the batch's pace, not its own
+        lines.append(" · ".join(f"{line}." for line in sharing))
     if "auto" in runs and (plan := plan_line(runs["auto"])):
         lines.append(plan)
     identical: dict[str, bool | None] = dict.fromkeys(speedups)
@@ -297,7 +303,7 @@ def comparison_summary(runs: Mapping[str, RunState], greedy: bool) -> tuple[str,
             lines.append(f"✅ **Token-identical**: every run produced the same {len(ar.token_ids)} tokens (greedy).")
         for method in (m for m, same in identical.items() if not same):
             note = difference_note(ar.token_ids, runs[method].token_ids, ar.final_stats.near_ties)
-            lines.append(f"❌ **{METHOD_NAMES[method]}: not token-identical**: {note}.")
+            lines.append(f"❌ **{method_name(runs[method])}: not token-identical**: {note}.")
     elif not greedy:
         lines.append("Sampling is on: outputs may differ token by token (each follows the target's distribution). "
                      "Tick *Greedy* for a token-identity check.")
@@ -319,14 +325,15 @@ COMPARE_OUTPUTS = ("compare_status", "verdict", "bars", "compare_costs", "compar
                    *(f"{method}_timeline" for method in COMPARE_METHODS if method != "ar"))
 
 
-def run_compare(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-    """Autoregressive decoding, TriForce and method auto, one after the other on the same input and seed, streamed
-    side by side, by output name (COMPARE_OUTPUTS); each column's heading and bar say what actually ran."""
+def run_compare(values: Mapping[str, Any], visitor: str = "visitor") -> Iterator[dict[str, Any]]:
+    """`visitor`'s autoregressive decoding, TriForce and method auto, one after the other on the same input and seed
+    (each a request of its own in the batch), streamed side by side, by output name (COMPARE_OUTPUTS); each column's
+    heading and bar say what actually ran, the verdict whether each run had the device to itself."""
     configs = {method: _settings(method, values) for method in COMPARE_METHODS}
     chosen, document, instruction = _prepare(values)
     configs = dict(zip(configs, _on_device(chosen, *configs.values())))
-    deadline = Deadline(run_seconds())  # one bound for the job, from here: its runs hold the one device in turn
-    runs = {method: RunState(method=method) for method in COMPARE_METHODS}
+    deadline = Deadline(run_seconds())  # one bound for the job's three runs, from here, not while they wait in line
+    runs = {method: RunState(method=method, batched=BATCHED) for method in COMPARE_METHODS}
     gate = Throttle(TEXT_INTERVAL_S)
     is_greedy = configs["ar"].is_greedy
 
@@ -351,13 +358,14 @@ def run_compare(values: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
     yield frame("⏳ Starting…", with_costs=True)
     plot_gate = Throttle(PLOT_INTERVAL_S)
     for method in runs:
-        for event in _stream(chosen, document, instruction, configs[method], runs[method], deadline):
+        state = runs[method]
+        for event in _stream(chosen, document, instruction, configs[method], state, deadline, visitor):
             if isinstance(event, OutOfTime):
-                yield frame(f"{METHOD_NAMES[method]}: {out_of_time_line(deadline.seconds, len(runs[method].pieces))}")
+                yield frame(f"{method_name(state)}: {out_of_time_line(deadline.seconds, len(state.pieces))}")
                 return
             now = time.monotonic()
-            if gate.due(now, isinstance(event, Finished)):
-                yield frame(f"{METHOD_NAMES[method]}: {status_markdown(runs[method])}",
+            if gate.due(now, isinstance(event, (InLine, Finished))):
+                yield frame(f"{method_name(state)}: {status_markdown(state)}",
                             plot_gate.due(now, isinstance(event, Finished)))
     yield frame("✅ All three runs finished.", with_costs=True)
 

@@ -1,16 +1,24 @@
-"""The one place that talks to the engine: cached model loading and the (ZeroGPU-aware) event stream."""
+"""The one place that talks to the engine: cached model loading and the (ZeroGPU-aware) event stream.
+
+Off a ZeroGPU Space every visitor's run is a request on one BatchServer per loaded engine (core.serving): a thread
+of its own decodes the batch, runs that arrive while it decodes join it at a next round, at most SEATS decode at
+once and the rest wait in line, first come first served. On ZeroGPU the GPU is lent to a worker process only for the
+call of a @spaces.GPU function (at most its duration): no decoding thread can outlive a request there, so runs go one
+at a time, each in its own call, through Gradio's queue (BATCHED false)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import itertools
 import os
 import queue
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 try:  # ZeroGPU: the `spaces` package must be imported before torch; off a Space its decorator does nothing.
@@ -23,13 +31,21 @@ except ImportError:
         return fn
 
 from app.presets import Preset
-from app.state import typed
+from app.service import Deadline
+from app.state import InLine, typed
 from core import Engine, GenerationConfig, TriForceError
+from core.batching import Request
+from core.config import SEATS
 from core.events import Event
 from core.io import gpu_memory_gib, note_gpu_only
+from core.serving import BatchServer
 
 ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")  # a ZeroGPU Space (spaces' own test)
-_RUN_LOCK = threading.Lock()  # one generation at a time, even while a cancelled run's last step finishes
+BATCHED = not ZERO_GPU  # visitors' runs decode together in one batch (ZeroGPU: one at a time; the module says why)
+_RUN_LOCK = threading.Lock()  # unbatched: one generation at a time, even while a cancelled run's last step finishes
+_servers: dict[int, BatchServer] = {}  # the batch of each loaded engine, by the engine's id (Engine.load keeps it)
+_servers_lock = threading.Lock()
+_runs = itertools.count(1)  # numbers every run: a request's key is unique whoever sends it
 _DONE = object()  # the end of a generation's event queue
 HANDOVER_S = 0.02  # events go to the app in batches at most this far apart (a handover per event costs GIL switches)
 WAITING_S = 0.25  # with no event for this long, the stream says it is waiting (a Stop lands between yields)
@@ -102,6 +118,20 @@ def preset_engine(preset: Preset) -> Engine:
     return load_engine(*preset.sources(), preset.name)
 
 
+def seats() -> int:
+    """Runs that decode at once: SEATS in the batch, one without it."""
+    return SEATS if BATCHED else 1
+
+
+def batch_server(preset: Preset) -> BatchServer:
+    """The one BatchServer of the preset's engine, made at its first request with seats() seats."""
+    engine = preset_engine(preset)
+    with _servers_lock:
+        if id(engine) not in _servers:
+            _servers[id(engine)] = BatchServer(engine, seats())
+        return _servers[id(engine)]
+
+
 def warm_up(preset: Preset) -> float | None:
     """Compile the preset's GPU kernels before serving (Engine.warm_up); seconds taken, or None where nothing is
     compiled ahead (a CPU) or nothing may run outside a request (ZeroGPU lends its GPU only inside one)."""
@@ -131,16 +161,11 @@ def _special_tokens(tokenizer) -> re.Pattern:
     return re.compile("|".join(map(re.escape, sorted(tokenizer.all_special_tokens, key=len, reverse=True))))
 
 
-@gpu
-def _event_dicts(target: str | None, draft: str | None, document: str, instruction: str,
-                 config: dict, stop: threading.Event | None = None) -> Iterator[dict]:
+def _shown(tokenizer, events: Iterable[Event]) -> Iterator[dict]:
     """Generation events as plain dicts (safe to pickle out of a ZeroGPU worker); a Verdict also carries the text of
     each proposed token (`proposed_texts`), for showing rejected drafts; special tokens are left out of every text
-    (the prompt's chunks included). `stop` (not across processes: None on ZeroGPU) stops a prefill between two
-    layers."""
-    engine = load_engine(target, draft)
-    tokenizer = engine.tokenizer
-    for event in engine.generate(document, instruction, GenerationConfig(**config), stop):
+    (the prompt's chunks included)."""
+    for event in events:
         data = event.to_dict()
         if data["kind"] == "Verdict":
             data["proposed_texts"] = [tokenizer.decode([token], skip_special_tokens=True)
@@ -151,51 +176,89 @@ def _event_dicts(target: str | None, draft: str | None, document: str, instructi
         yield data
 
 
+@gpu
+def _event_dicts(target: str | None, draft: str | None, document: str, instruction: str,
+                 config: dict, stop: threading.Event | None = None) -> Iterator[dict]:
+    """One generation run alone, its events as _shown's dicts. `stop` (not across processes: None on ZeroGPU) stops
+    a prefill between two layers."""
+    engine = load_engine(target, draft)
+    yield from _shown(engine.tokenizer, engine.generate(document, instruction, GenerationConfig(**config), stop))
+
+
+def _hand_over(generation: Callable[[], Iterator[dict]], lock: contextlib.AbstractContextManager, stop: threading.Event,
+               events: queue.Queue) -> None:
+    """Run a generation (under `lock`) on this thread, handing its event dicts to `events` in batches HANDOVER_S
+    apart (an urgent kind at once) until it ends or `stop` is set; an error goes over as an item, _DONE last."""
+    with lock:
+        stream = generation()
+        batch: list = []
+        handed = time.monotonic()
+        try:
+            for event in stream:
+                if stop.is_set():
+                    break
+                batch.append(event)
+                if event["kind"] in URGENT_KINDS or time.monotonic() - handed >= HANDOVER_S:
+                    events.put(batch)
+                    batch, handed = [], time.monotonic()
+        except Exception as err:  # handed to the consumer, which raises it where the UI can report it
+            batch.append(err)
+        finally:
+            stream.close()
+            trim_host_memory()
+            events.put(batch)
+            events.put(_DONE)
+
+
 def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig,
-                  out_of_time: Callable[[], bool] | None = None) -> Iterator[Event]:
-    """The typed events of one generation. The engine runs in a thread of its own and hands events over through a
-    queue, so rendering them never holds decoding up (a generator's consumer would otherwise be timed as decoding),
-    in batches HANDOVER_S apart; one generation at a time. While no event comes (a long prefill forward), a Waiting
-    comes every WAITING_S, so that the consumer yields and a Stop lands; a closed stream (Stop) ends its generation
-    at the next event, or between two layers of a prefill forward. Once `out_of_time()` says so (asked between
-    two handovers: app.service.Deadline.passed) the generation stops the same way, the events it handed over until
-    then standing, and an OutOfTime comes last unless it had finished."""
+                  deadline: Deadline | None = None, visitor: str = "visitor") -> Iterator[Event]:
+    """The typed events of one generation: `visitor`'s request on the batch (BATCHED; bad input raises
+    TriForceError here), else a run alone, one at a time. The engine's side runs on a thread of its own and hands
+    events over through a queue, so rendering them never holds decoding up (a generator's consumer would otherwise
+    be timed as decoding), in batches HANDOVER_S apart. While the run waits in the batch's line `deadline`'s clock
+    stops, and once it has waited WAITING_S an InLine says its place (again as it moves up). While no event comes (a long prefill forward, the line), a
+    Waiting comes every WAITING_S, so that the consumer yields and a Stop lands; a closed stream (Stop) ends its
+    generation at the next event, or between two layers of a prefill forward, the others in the batch decoding on.
+    Once `deadline` has passed (asked between two handovers) the generation stops the same way, the events it handed
+    over until then standing, and an OutOfTime comes last unless it had finished."""
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
-
-    def run() -> None:
-        with _RUN_LOCK:
-            generation = _event_dicts(*preset.sources(), document, instruction, config.to_dict(),
-                                      None if ZERO_GPU else stop)
-            batch: list = []
-            handed = time.monotonic()
-            try:
-                for event in generation:
-                    if stop.is_set():
-                        break
-                    batch.append(event)
-                    if event["kind"] in URGENT_KINDS or time.monotonic() - handed >= HANDOVER_S:
-                        events.put(batch)
-                        batch, handed = [], time.monotonic()
-            except Exception as err:  # handed to the consumer, which raises it where the UI can report it
-                batch.append(err)
-            finally:
-                generation.close()
-                trim_host_memory()
-                events.put(batch)
-                events.put(_DONE)
-
-    threading.Thread(target=run, name="triforce-generation", daemon=True).start()
+    lock: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if BATCHED:
+        server = batch_server(preset)
+        request = Request(f"{next(_runs)}:{visitor[:40]}", document, instruction, config=config, stop=stop)
+        requested = _shown(server.engine.tokenizer, server.submit(request))
+        generation, place = (lambda: requested), functools.partial(server.position, request.key)
+    else:
+        generation = functools.partial(_event_dicts, *preset.sources(), document, instruction, config.to_dict(),
+                                       None if ZERO_GPU else stop)
+        lock, place = _RUN_LOCK, lambda: None
+    threading.Thread(target=_hand_over, args=(generation, lock, stop, events), name="triforce-generation",
+                     daemon=True).start()
     stopped_in_time = finished = False
+    line = place()  # its place in the batch's line; None once it has a seat
+    shown = None  # the place an InLine said last: said once no event came for WAITING_S (a free seat is taken at once)
+    if line is not None and deadline is not None:
+        deadline.wait()
     try:
         while True:
-            if not stopped_in_time and out_of_time is not None and out_of_time():
+            if not stopped_in_time and deadline is not None and deadline.passed():
                 stop.set()  # the generation stops at its next event or prefill layer; what it handed over stands
                 stopped_in_time = True
             try:
                 batch = events.get(timeout=WAITING_S)
             except queue.Empty:
-                yield Waiting()
+                batch = None
+            if line is not None:  # its first events, or the server, say when it has its seat
+                line = None if batch is not None else place()
+                if line is None and deadline is not None:
+                    deadline.go()
+            if batch is None:
+                if line is not None and line != shown:
+                    shown = line
+                    yield InLine(line, server.slots)
+                else:
+                    yield Waiting()
                 continue
             if batch is _DONE:
                 break

@@ -17,12 +17,12 @@ from app import callbacks
 from app.documents import MAX_UPLOAD_BYTES, SAMPLES_DIR, SUPPORTED_SUFFIXES, Sample, load_samples
 from app.explainer import CPU_NOTE, EXPLANATION, python_snippet
 from app.figures import HEATMAP_MODES, cost_figure, empty_figure
-from app.inference import ZERO_GPU
+from app.inference import BATCHED, ZERO_GPU, seats
 from app.presets import PRESET_SETTINGS, all_presets, default_preset, panel_overrides
-from app.service import UploadBudget, serve
+from app.service import UploadBudget, concurrent_jobs, serve, visitor
 from app.settings import build_panel, method_widget, widget_args
 from app.state import RunState
-from app.views import COLOURS, COMPARE_METHODS, METHOD_NAMES, answer_html, document_html, overlay_css
+from app.views import COLOURS, COMPARE_METHODS, answer_html, document_html, overlay_css, run_heading
 from core.io import default_device
 
 UPLOAD_CACHE = (3600, 3600)  # every hour, delete uploads (in Gradio's cache) older than an hour
@@ -30,7 +30,7 @@ UPLOAD_READERS = 4  # uploads read at once (a PDF or an HTML page each in a chil
 QUICK_SETTINGS = ("greedy", "max_new_tokens")  # beside the model, above the tabs: what a visitor changes for every run
 DOCUMENT_LINES = 4  # the document box's height: with the question, the method and Run in view at 1440×900
 DOCUMENT_LABEL = "Document (paste, edit or upload)"
-GPU_QUEUE = "gpu"  # one concurrency group for every generation button: one run at a time on the one device
+GPU_QUEUE = "gpu"  # one concurrency group for every generation button: the jobs that share the one device
 CSS = """
 .tl {font-size: 0.8rem; max-height: 16rem; overflow-y: auto}
 .tl-head {margin-bottom: 4px; color: var(--body-text-color-subdued)}
@@ -70,15 +70,15 @@ def launch_options() -> dict:
             "app_kwargs": {"middleware": [Middleware(UploadBudget)]}}
 
 
-def by_name(fn: Callable[[Mapping[str, Any]], Iterator[dict[str, Any]]],
+def by_name(fn: Callable[[Mapping[str, Any], str], Iterator[dict[str, Any]]],
             outputs: dict[str, gr.Component]) -> Callable[..., Iterator[list[Any]]]:
-    """A Gradio handler for `fn`: the event's `inputs_kwargs` arrive as one dict by name, and each frame `fn` yields
-    by output name goes out as the list of all outputs, those it leaves out with the value last sent (Gradio
-    rebuilds a component for every output it is told to skip, which costs more than a frame; a plot is postprocessed
-    by its component once, so sending it again is free)."""
-    def handler(**values: Any) -> Iterator[list[Any]]:
+    """A Gradio handler for `fn`: the event's `inputs_kwargs` arrive as one dict by name, with the visitor who sent
+    them (app.service.visitor), and each frame `fn` yields by output name goes out as the list of all outputs, those
+    it leaves out with the value last sent (Gradio rebuilds a component for every output it is told to skip, which
+    costs more than a frame; a plot is postprocessed by its component once, so sending it again is free)."""
+    def handler(request: gr.Request, **values: Any) -> Iterator[list[Any]]:
         sent: dict[str, Any] = {}
-        for frame in fn(values):
+        for frame in fn(values, visitor(request.session_hash, request)):
             sent |= {name: outputs[name].postprocess(value) if isinstance(outputs[name], gr.Plot) else value
                      for name, value in frame.items()}
             yield [sent.get(name, gr.skip()) for name in outputs]
@@ -164,10 +164,11 @@ def build_demo() -> gr.Blocks:
                                                           elem_id="raw-stats", size="sm")
                 run_state = gr.State()
             with gr.Tab("Compare", id="compare"):
-                gr.Markdown("Where speed is judged: plain **autoregressive** decoding, **TriForce** (levels 1 → 2 → 3) "
-                            "and **method auto** run one after the other on the document and instruction of the "
-                            "first tab, with the same seed, on the same device; each heading says what ran. With "
-                            "*Greedy* all three must produce the same tokens.")
+                gr.Markdown("Where speed is judged: plain **autoregressive** decoding, **TriForce** and **method "
+                            "auto** run one after the other on the document and instruction of the first tab, with "
+                            "the same seed, on the same device; each heading says what ran, and the verdict whether "
+                            "each run had the device to itself or decoded beside other visitors' runs. With *Greedy* "
+                            "all three must produce the same tokens.")
                 with gr.Row():
                     compare_run = gr.Button("Run comparison", variant="primary", elem_id="compare-run")
                     compare_stop = gr.Button("Stop", variant="stop", elem_id="compare-stop")
@@ -181,7 +182,7 @@ def build_demo() -> gr.Blocks:
                 with gr.Row():
                     for name in COMPARE_METHODS:
                         with gr.Column(min_width=300):
-                            columns[f"{name}_head"] = gr.Markdown(f"**{METHOD_NAMES[name]}**",
+                            columns[f"{name}_head"] = gr.Markdown(run_heading(RunState(name, batched=BATCHED)),
                                                                   elem_id=f"compare-{name}-head")
                             columns[f"{name}_answer"] = gr.HTML(answer_html(None), elem_id=f"compare-{name}")
                             if name != "ar":
@@ -203,6 +204,7 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("## Models, device and versions")
                 engines = gr.Markdown(elem_id="engines")
 
+        jobs = concurrent_jobs(seats(), BATCHED)  # every admitted job's handler at once in a batch, else one
         inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, **quick, **panel}
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document",
@@ -228,7 +230,7 @@ def build_demo() -> gr.Blocks:
         run_event = run.click(by_name(callbacks.run_triforce, outputs),
                               inputs_kwargs={**inputs, "method": method, "heatmap_mode": heatmap_mode},
                               outputs=list(outputs.values()), api_name="triforce", preprocess=False,
-                              show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=1)
+                              show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=jobs)
         stop.click(callbacks.stopped, None, status, cancels=[run_event], api_name="stop", concurrency_limit=None)
         heatmap_mode.change(callbacks.redraw_heatmap, [run_state, heatmap_mode], heatmap, api_visibility="private",
                             concurrency_limit=None)
@@ -239,9 +241,9 @@ def build_demo() -> gr.Blocks:
         outputs = {name: components[name] for name in callbacks.COMPARE_OUTPUTS}
         compare_event = compare_run.click(by_name(callbacks.run_compare, outputs), inputs_kwargs=inputs,
                                           outputs=list(outputs.values()), api_name="compare", preprocess=False,
-                                          show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=1)
+                                          show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=jobs)
         compare_stop.click(callbacks.stopped, None, compare_status, cancels=[compare_event], api_name="stop_compare",
                            concurrency_limit=None)
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")
         demo.load(callbacks.describe_engines, None, engines, api_visibility="private")
-    return serve(demo, GPU_QUEUE)  # one run at a time, a bounded number per visitor (app.service)
+    return serve(demo, GPU_QUEUE, seats())  # seats() decoding at once, a bounded number per visitor (app.service)

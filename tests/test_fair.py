@@ -11,6 +11,7 @@ import itertools
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -71,9 +72,11 @@ def test_a_generation_stops_at_its_bound_and_keeps_what_it_made(monkeypatch) -> 
             closed.set()
 
     monkeypatch.setattr(inference, "_event_dicts", engine)
+    monkeypatch.setattr(inference, "BATCHED", False)  # a run alone, as on ZeroGPU (the batch's bound: test_visitors)
     seen: list = []
-    for event in inference.stream_events(type("P", (), {"sources": lambda self: (None, None)})(), "doc", "q",
-                                         inference.GenerationConfig(), lambda: len(seen) >= 3):
+    bound = SimpleNamespace(passed=lambda: len(seen) >= 3)  # a Deadline that passes after three events
+    for event in inference.stream_events(SimpleNamespace(sources=lambda: (None, None)), "doc", "q",
+                                         inference.GenerationConfig(), bound):
         seen.append(event)
     tokens = [e for e in seen if isinstance(e, Tokens)]
     assert isinstance(seen[-1], inference.OutOfTime) and len(tokens) >= 3
@@ -140,10 +143,14 @@ def test_a_sessions_uploads_are_deleted_past_the_newest_and_when_it_ends(tmp_pat
 
 @pytest.fixture(scope="module")
 def url():
-    """The app on a free loopback port, its embedded model loaded by one run."""
-    with served() as address:
-        client(address).predict(**run_kwargs(), api_name="/triforce")
-        yield address
+    """The app on a free loopback port, its embedded model loaded by one run; its batch has one seat, so that one
+    run's bound is what another visitor waits for (with more seats, tests/test_visitors.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inference, "SEATS", 1)
+        mp.setattr(inference, "_servers", {})
+        with served() as address:
+            client(address).predict(**run_kwargs(), api_name="/triforce")
+            yield address
 
 
 def run_kwargs(**overrides) -> dict:
