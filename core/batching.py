@@ -12,11 +12,12 @@ from typing import Iterator, Protocol
 
 import torch
 
-from core.cache.kvcache import KVCache
+from core.cache.kvcache import KVCache, StreamingCache
 from core.cache.memory import GiB, Memory, Plan
 from core.cache.retrieval import Retrieval
 from core.config import AUTO_GAMMA2, MAX_SLOTS, SEATS, GenerationConfig, TriForceError
 from core.decode.batch import Batch, Slot
+from core.decode.drafters import DraftContext, drafter_names, make_drafters
 from core.decode.graphs import Graphs
 from core.decode.levels import Level, Stopped
 from core.decode.output import Output
@@ -27,10 +28,11 @@ from core.plan.batch import BatchPlanner
 
 
 class Host(Protocol):
-    """What a batch takes of its engine (core.engine.Engine): the target and its tokenizer, the context, the memory
-    plan, the CUDA graphs, the default settings and the prefill's chunk."""
+    """What a batch takes of its engine (core.engine.Engine): the target, the level-1 draft model and the tokenizer,
+    the context, the memory plan, the CUDA graphs, the default settings and the prefill's chunk."""
 
     target: Transformer
+    draft: Transformer | None
     tokenizer: object
     context_length: int
     memory: Memory
@@ -242,9 +244,23 @@ class BatchRun:
                             model.device)
             slot.retrieval = Retrieval(a.level.cache, cfg, cache, model.ops)
             slot.level2 = Level(model, slot.retrieval.cache, ids[:-1], e.graphs, drafting=True)
+        if cfg.method == "triforce":  # its level 1 as a single run's (auto's batch plan drafts with level 2 alone)
+            names = drafter_names(cfg.drafter, cfg.method, e.draft is not None)
+            if names:
+                slot.drafter = make_drafters(names[:1], DraftContext(
+                    e.draft, cfg, ids, model.args.vocab_size, slot.generator,
+                    lambda: self._streaming(a.plan), e.graphs))[names[0]]
+                slot.gamma1 = cfg.gamma1
         self.batch.join(slot)
         self.running[a.request.key] = Running(a, slot, time.perf_counter() - a.t0, time.perf_counter(),
                                               self._captured(), a.level.forwards)
+
+    def _streaming(self, plan: Plan) -> StreamingCache:
+        """A request's own StreamingLLM cache for the level-1 draft model."""
+        d, cfg = self.engine.draft.args, plan.cfg
+        return StreamingCache(d.n_layers, d.n_kv_heads, d.head_dim, plan.sizes.streaming, cfg.sink_tokens,
+                              cfg.window_tokens, self.engine.draft.rotary, self.engine.draft.dtype,
+                              self.engine.draft.device)
 
     def _captured(self) -> float:
         return self.engine.graphs.capture_s if self.engine.graphs is not None else 0.0
@@ -257,7 +273,11 @@ class BatchRun:
         n, forwards = len(slot.out.ids), slot.target.forwards - run.forwards
         retrieval = slot.retrieval.cache.nbytes if slot.retrieval else 0
         stats = Stats.of(
-            Footprint(slot.counts, "none" if slot.drafts else "", 0, retrieval, plans=slot.plans),
+            Footprint(slot.counts, slot.drafter.name if slot.drafter else "none" if slot.drafts else "",
+                      slot.drafter.steps if slot.drafter else 0, retrieval,
+                      slot.drafter.level.cache.nbytes if slot.drafter and slot.drafter.level else 0,
+                      slot.drafter.level.model.step_weight_bytes() if slot.drafter and slot.drafter.level else 0,
+                      plans=slot.plans),
             method=slot.cfg.method, new_tokens=n, prompt_tokens=len(slot.prompt),
             dropped_tokens=run.admitted.prompt.dropped_tokens, prefill_s=run.prefill_s, prefill_reused=False,
             decode_s=decode_s, warmup_s=warmup, tokens_per_s=n / decode_s if decode_s > 0 else 0.0,

@@ -27,9 +27,11 @@ BASE = dict(max_new_tokens=40, budget=64, chunk_size=8, drafter="none")
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
+    """A tiny target with a tiny level-1 draft model."""
     _, target = tiny_pair(tiny_config(vocab=96, layers=2, max_position=1024), seed=0, scale=2.0)
+    _, draft = tiny_pair(tiny_config(vocab=96, layers=1, max_position=1024), seed=1, scale=2.0)
     target.requires_grad_(False).eos_ids = set()
-    return Engine.from_models(target, DigitTokenizer(), "tiny", None, None, 1024)
+    return Engine.from_models(target, DigitTokenizer(), "tiny", draft.requires_grad_(False), "tiny draft", 1024)
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +63,21 @@ MIXES = {
     "sampled autoregressive": [dict(method="ar", temperature=0.8, top_p=0.9, seed=s) for s in range(4)],
     "sampled triforce with a repetition penalty": [dict(method="triforce", temperature=0.8, seed=s,
                                                         repetition_penalty=1.3) for s in range(4)],
+    "three levels": [dict(method="triforce", greedy=True, drafter="model", window_tokens=32)] * 4,
+    "three levels sampled": [dict(method="triforce", temperature=0.8, seed=s, drafter="model", window_tokens=32)
+                             for s in range(4)],
+    "prompt lookup at level 1 beside the others": [
+        dict(method="triforce", greedy=True, drafter="ngram"), dict(method="auto", greedy=True),
+        dict(method="triforce", temperature=1.0, seed=2, drafter="model", window_tokens=32), dict(method="ar")],
 }
 
 
 @pytest.mark.parametrize("slots", [4, 2])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_each_request_emits_its_single_request_tokens(engine, prompts, mix, slots):
-    """Greedy, and sampled with the same seed, each request's tokens are those it emits alone (drafting alone
-    draws as a batch does), whatever its neighbours' methods; with 2 seats the later requests wait, then join a
-    batch already decoding."""
+    """Greedy, and sampled with the same seed, each request's tokens are those it emits alone (a batch drafts and
+    draws as a single run does, level 1 included), whatever its neighbours' methods; with 2 seats the later requests
+    wait, then join a batch already decoding."""
     settings = MIXES[mix]
     with torch.no_grad():
         batched = together(engine, prompts, settings, slots)
@@ -78,6 +86,9 @@ def test_each_request_emits_its_single_request_tokens(engine, prompts, mix, slot
     assert all(b.stats.shared_with == slots - 1 for b in batched[:2])  # decoded beside the others
     if mix == "triforce":  # level 2 drafted and level 3 rejected some of it: verification really ran per request
         assert all(0 < b.stats.level2_accepted < b.stats.level2_verified for b in batched)
+    if mix.startswith("three levels"):  # level 1 proposed and level 2 rejected some of it, as alone
+        assert all(0 < b.stats.level1_accepted < b.stats.level1_verified for b in batched)
+        assert [b.stats.level1_accepted for b in batched] == [s.stats.level1_accepted for s in single]
 
 
 def neighbour_residual(real):

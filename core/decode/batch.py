@@ -23,8 +23,9 @@ from core.decode.graphs import Graphs, RaggedGraphs, clock
 from core.decode.levels import Level, common_prefix
 from core.decode.output import Output
 from core.decode.repetition import Repetition
-from core.decode.sampling import distributions, draw, speculative_verify
-from core.events import Acceptance, Event, PlanChosen, StepTiming, Verdict
+from core.decode.drafters import Drafter, Proposal
+from core.decode.sampling import distributions, draw, residual_distribution, speculative_verify
+from core.events import Acceptance, DraftProposal, Event, PlanChosen, StepTiming, Verdict
 from core.model.transformer import Transformer
 
 
@@ -52,11 +53,15 @@ class Slot:
     generator: torch.Generator
     retrieval: Retrieval | None = None
     level2: Level | None = None
+    drafter: Drafter | None = None  # level 1 (method triforce with a drafter): it proposes, level 2 verifies
+    gamma1: int = 0
     seq: list[int] = field(default_factory=list)
     gamma: int = 0  # this round's draft length (0: an autoregressive step)
     draft: list[int] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)  # level 2's distribution behind each drafted token
     emitted: list[int] = field(default_factory=list)  # this round's accepted drafts and level 3's token
+    provenance: list[str] = field(default_factory=list)  # who drafted each token of the draft
+    feature: torch.Tensor | None = None  # the target's hidden state that produced the last token (level 1 fuses it)
     counts: Acceptance = field(default_factory=Acceptance)
     rounds: int = 0
     beside: int = 0  # the most other requests decoded in a round with it
@@ -127,9 +132,10 @@ class Batch:
             return []
         self.plan(slots)
         for s in slots:
-            s.draft, s.q = [], []
+            s.draft, s.q, s.provenance = [], [], []
         t0 = clock(self.graphs)
-        steps = self.draft([s for s in slots if s.gamma])
+        steps = self.draft([s for s in slots if s.gamma and s.drafter is None]) + \
+            self.draft_level1([s for s in slots if s.gamma and s.drafter is not None])
         t1 = clock(self.graphs)
         rows = self.verify(slots)
         t2 = clock(self.graphs)
@@ -196,10 +202,52 @@ class Batch:
         for s in slots:
             s.draft = tokens[a:a + s.gamma]
             a += s.gamma
+            s.provenance = ["level2"] * s.gamma
             if s.gamma > 1:
                 s.level2.settle(s.draft[:-1])
             for token in s.draft:
                 s.events.append(Verdict(level=2, round=s.rounds, proposed=[], accepted=0, token=token, bonus=True))
+        return steps
+
+    def draft_level1(self, slots: list[Slot]) -> int:
+        """Levels 1 → 2 for the slots whose level 1 drafts (TriForce.draft_level2, per request): each check, every
+        slot's level 1 proposes up to its γ1 tokens, then one level-2 forward verifies every slot's proposals, each
+        exactly against its own distribution, until every slot holds its γ2 tokens. Returns the level-2 forwards."""
+        for s in slots:
+            self.keep_level2_in_step(s)
+        active, steps = list(slots), 0
+        while active:
+            proposals, news = [], []
+            for s in active:
+                asked = min(s.gamma1, s.gamma - len(s.draft))
+                proposal = s.drafter.propose(s.seq, asked, len(s.seq), s.draft, s.feature) if asked else \
+                    Proposal([], None, [])
+                proposals.append((asked, proposal))
+                news.append(s.level2.pending(s.seq, len(proposal.tokens) + 1, len(s.seq), s.draft + proposal.tokens))
+            hidden = self.forward([(s.level2, len(n)) for s, n in zip(active, news)],
+                                  torch.tensor([t for n in news for t in n]), drafting=True)
+            steps += 1
+            logits, a = self.model.head(hidden, self.model.ops.drafting()), 0
+            for s, new, (asked, proposal) in zip(active, news, proposals):
+                s.level2.fed(new)
+                a += len(new)
+                first = a - len(proposal.tokens) - 1
+                p = distributions(s.repetition(logits[first:a], s.seq, s.draft + proposal.tokens), s.cfg)
+                accepted, token = speculative_verify(proposal.tokens, proposal.q, p, s.generator,
+                                                     residual=residual_distribution)
+                if asked:
+                    s.counts.count(1, len(proposal.tokens), accepted)
+                if proposal.tokens:
+                    s.events.append(DraftProposal(s.rounds, proposal.tokens, proposal.copied))
+                s.events.append(Verdict(level=2, round=s.rounds, proposed=proposal.tokens, accepted=accepted,
+                                        token=token, bonus=accepted == len(proposal.tokens)))
+                s.draft += proposal.tokens[:accepted] + [token]
+                s.q += list(p[:accepted + 1])
+                s.provenance += ["copy" if c else "draft" for c in proposal.copied[:accepted]] + ["level2"]
+                s.feature = hidden[first + accepted]
+            active = [s for s in active if len(s.draft) < s.gamma]
+        for s in slots:  # the last check may overshoot γ2: its extra tokens go
+            del s.draft[s.gamma:], s.q[s.gamma:], s.provenance[s.gamma:]
         return steps
 
     def keep_level2_in_step(self, s: Slot) -> None:
@@ -226,8 +274,8 @@ class Batch:
         logits = self.model.head(hidden)
         a = 0
         for s, n, again in zip(slots, counts, reselect):
-            rows = logits[a + n - len(s.draft) - 1:a + n]
-            a += n
+            first, a = a + n - len(s.draft) - 1, a + n  # its rows: the draft's and the one before it
+            rows = logits[first:a]
             p = distributions(s.repetition(rows, s.seq, s.draft), s.cfg)
             accepted, token = speculative_verify(s.draft, torch.stack(s.q) if s.q else None, p, s.generator)
             if s.drafts:  # every round of a drafting method has level 3's verdict, one that drafted nothing too
@@ -236,8 +284,9 @@ class Batch:
                                         bonus=accepted == len(s.draft)))
             s.emitted = s.draft[:accepted] + [token]
             s.seq += s.emitted
-            s.events.append(s.out.add(s.emitted, ["level2"] * accepted + ["level3" if s.draft else "target"],
+            s.events.append(s.out.add(s.emitted, s.provenance[:accepted] + ["level3" if s.draft else "target"],
                                       s.rounds))
+            s.feature = hidden[first + accepted]
             if again and not s.out.done:
                 s.events.append(s.retrieval.select(s.target.queries, n - len(s.draft) - 1 + accepted, s.rounds + 1,
                                                    len(s.seq) - 1))
