@@ -51,12 +51,12 @@ each cache lives, and the stats give the bytes moved over the link per token.
 
 ## Several visitors at once
 Off a ZeroGPU Space this app decodes every visitor's run in one batch, up to {SEATS} at once: each round level 2
-drafts for every run, then one level-3 forward verifies all their drafts, its projections reading the weights once
+drafts for every run (checking each run's level-1 proposals), then one level-3 forward verifies all their drafts, its projections reading the weights once
 for every row while each row attends over its own run's caches, so a greedy answer is the one the run alone gives. A
 run that arrives while the batch decodes joins it at a next round (prompts are read one at a time, between rounds);
 beyond the seats runs wait in line, first come first served, each told its place, and *Stop* ends only your own. In
-the batch level 2 drafts alone (no level-1 draft model) and every cache stays on the device; a run goes at the
-batch's pace, so *Compare* says of each run whether it had the device to itself. On ZeroGPU, which lends its GPU
+the batch every cache stays on the device and method *auto* plans one draft length for all its runs (level 2
+drafting alone); a run goes at the batch's pace, so *Compare* says of each run whether it had the device to itself. On ZeroGPU, which lends its GPU
 to one request at a time, runs go one at a time.
 
 ## What the visuals show
@@ -72,7 +72,7 @@ to one request at a time, runs go one at a time.
   planner measures each level's step and the acceptance so far, and picks each round's hierarchy — autoregressive,
   level 1 → 3, level 2 → 3 or 1 → 2 → 3 — and its γs; the status line and *Compare* say what it chose and why, the
   timeline marks each change. Every hierarchy verifies exactly, so the plan changes the speed, never the output.
-  *triforce* always runs levels 1 → 2 → 3 (2 → 3 in the app's batch, below).
+  *triforce* always runs levels 1 → 2 → 3.
 - **Speculation timeline:** one block per level-3 round. Its top row is level 3's verdict on the drafted tokens
   (kept, the rejected one, the discarded rest, then level 3's own token); the bottom row is each level-2 step's
   verdict on the level-1 tokens, then level 2's own token. Hover a block for the counts; stretches of

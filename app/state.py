@@ -89,7 +89,7 @@ class RunState:
     """Everything the views need about one generation, built only from events."""
 
     method: str = "triforce"
-    batched: bool = False  # decoded in the app's batch, beside other visitors' runs (level 2 drafts alone there)
+    batched: bool = False  # decoded in the app's batch, beside other visitors' runs
     started: float = field(default_factory=time.monotonic)  # reset when the prompt is ready (the engine's clock)
     stage: str = "starting"
     load_fraction: float = 0.0

@@ -262,9 +262,8 @@ def autoregressive_tokens(state: RunState) -> int:
 
 
 def triforce_levels(state: RunState) -> str:
-    """The levels a TriForce run drafts through: 1 → 2 → 3, or 2 → 3 where no level 1 ran (in the app's batch, where
-    level 2 drafts alone, or with drafter none)."""
-    alone = state.batched or (state.final_stats is not None and state.final_stats.drafter == "none")
+    """The levels a TriForce run drafts through: 1 → 2 → 3, or 2 → 3 where no level 1 ran (drafter none)."""
+    alone = state.final_stats is not None and state.final_stats.drafter == "none"
     return "levels 2 → 3" if alone else "levels 1 → 2 → 3"
 
 

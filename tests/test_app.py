@@ -765,10 +765,9 @@ def test_triforce_streams_the_answer_heatmap_stats_and_the_full_data(server, sho
         {"r12", "r23", "r13"} and accepted.strip()
     assert "im_end" not in answer and "im_start" not in doc_view  # special tokens are never shown as text
     levels = {row["key"]: row for row in stats["levels"]}
-    # served, a run decodes in the app's batch, where level 2 drafts alone (no level-1 draft model)
-    assert {"level2", "level3", "selection"} == set(levels) - {"target"} and levels["level3"]["steps"] >= 1
-    assert levels["level3"]["bytes_per_step"] > levels["level2"]["bytes_per_step"]
-    assert all(levels[key]["ms_per_step"] > 0 for key in ("level2", "level3"))
+    assert {"level1", "level2", "level3", "selection"} <= set(levels) and levels["level3"]["steps"] >= 1
+    assert levels["level3"]["bytes_per_step"] > levels["level2"]["bytes_per_step"] > levels["level1"]["bytes_per_step"]
+    assert all(levels[key]["ms_per_step"] > 0 for key in ("level1", "level2", "level3"))
     assert stats["shared_with"] == 0 and "| decoded beside other runs (most at once) | none: it ran alone |" in stats_md
     rounds = levels["level3"]["steps"]
     assert f"{rounds} rounds" in timeline and timeline.count("'tl-round'") == rounds
@@ -801,7 +800,7 @@ def test_compare_runs_ar_triforce_and_auto_side_by_side_and_greedy_outputs_are_t
     out = compare_frame(job.outputs()[-1])
     summary, verdict = out["compare_json"], out["verdict"]
     assert summary["greedy"] is True and summary["identical"] == {"triforce": True, "auto": True}, summary
-    assert out["triforce_head"] == "**TriForce (levels 2 → 3)**" and "Method auto" in out["auto_head"]  # batched
+    assert out["triforce_head"] == "**TriForce (levels 1 → 2 → 3)**" and "Method auto" in out["auto_head"]
     assert "· ran " in out["auto_head"] and "**Method auto** chose" in verdict and "tl-plan" in out["auto_timeline"]
     ar_parts = answer_parts(out["ar_answer"])
     assert {cls for cls, _ in ar_parts} == {"p-target"}
@@ -812,8 +811,8 @@ def test_compare_runs_ar_triforce_and_auto_side_by_side_and_greedy_outputs_are_t
     assert "Ran on **cpu · float32**" in verdict and "cpu · float32" in out["triforce_stats"]
     assert "| level-1 acceptance | — |" in out["ar_stats"] and "| budget / prompt | — |" in out["ar_stats"]
     cost_rows = json.loads(out["compare_costs"]["plot"])["data"][0]["y"]
-    assert cost_rows[-1] == "autoregressive: target + full cache" and cost_rows[0].startswith("level 2")
-    assert all(f"{name} ran alone" in verdict for name in ("Autoregressive", "TriForce (levels 2 → 3)",
+    assert cost_rows[-1] == "autoregressive: target + full cache" and cost_rows[0].startswith("level 1")
+    assert all(f"{name} ran alone" in verdict for name in ("Autoregressive", "TriForce (levels 1 → 2 → 3)",
                                                             "Method auto (the planner picks the levels)"))
     runs = summary["runs"]
     assert all(runs[method]["tokens_per_s"] > 0 for method in ("ar", "triforce", "auto"))

@@ -106,9 +106,7 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
                                f"{first.instructions[0]!r}")
         # the settings a visitor changes sit above the tabs; the rest, on a tab of their own, read in a line or two
         page.get_by_label("Max new tokens").fill("32")
-        # sampled: in the app's batch level 2 drafts alone, and greedily it keeps every draft on this question,
-        # leaving no rejected draft to show (seed 0 sampled: one)
-        assert not page.get_by_label("Greedy", exact=True).is_checked()
+        page.get_by_label("Greedy", exact=True).check()
         page.wait_for_function("() => document.querySelector('#doc-info').innerText.includes('32 answer tokens')",
                                timeout=60_000)
         page.get_by_role("tab", name="Settings").click()
@@ -187,7 +185,7 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
                                timeout=240_000)
         verdict = text(page, "#verdict")
         assert "Ran on cpu" in verdict and "Method auto chose" in verdict and "about as fast as plain" in verdict
-        assert text(page, "#compare-triforce-head") == "TriForce (levels 2 → 3)"  # in the batch: no level 1
+        assert text(page, "#compare-triforce-head") == "TriForce (levels 1 → 2 → 3)"
         assert "ran " in text(page, "#compare-auto-head")
         ar_table = text(page, "#compare-ar-stats")
         assert re.search(r"level-1 acceptance\s+—", ar_table) and re.search(r"budget / prompt\s+—", ar_table)

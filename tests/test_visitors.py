@@ -65,7 +65,7 @@ def test_compare_says_which_run_shared_the_device_and_which_ran_alone() -> None:
         state.final_stats = run_stats(method=method, tokens_per_s=2.0, shared_with=beside)
         state.token_ids = [1, 2]
     text, summary = callbacks.comparison_summary(runs, greedy=True)
-    assert ("Autoregressive ran alone. · TriForce (levels 2 → 3) ran beside 2 other requests — its ratio is not a "
+    assert ("Autoregressive ran alone. · TriForce (levels 1 → 2 → 3) ran beside 2 other requests — its ratio is not a "
             "clean single-request figure. · Method auto (the planner picks the levels) ran beside 1 other request — "
             "its ratio is not a clean single-request figure.") in text
     assert [summary["runs"][method]["shared_with"] for method in runs] == [0, 2, 1]

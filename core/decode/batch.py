@@ -61,6 +61,7 @@ class Slot:
     q: list[torch.Tensor] = field(default_factory=list)  # level 2's distribution behind each drafted token
     emitted: list[int] = field(default_factory=list)  # this round's accepted drafts and level 3's token
     provenance: list[str] = field(default_factory=list)  # who drafted each token of the draft
+    level1_ms: float = 0.0  # its level 1's proposing this round
     feature: torch.Tensor | None = None  # the target's hidden state that produced the last token (level 1 fuses it)
     counts: Acceptance = field(default_factory=Acceptance)
     rounds: int = 0
@@ -132,7 +133,7 @@ class Batch:
             return []
         self.plan(slots)
         for s in slots:
-            s.draft, s.q, s.provenance = [], [], []
+            s.draft, s.q, s.provenance, s.level1_ms = [], [], [], 0.0
         t0 = clock(self.graphs)
         steps = self.draft([s for s in slots if s.gamma and s.drafter is None]) + \
             self.draft_level1([s for s in slots if s.gamma and s.drafter is not None])
@@ -141,9 +142,10 @@ class Batch:
         t2 = clock(self.graphs)
         drafting = sum(1 for s in slots if s.gamma)
         self.gammas.observe(rows, (t2 - t1) * 1e3, drafting, steps, (t1 - t0) * 1e3)
+        level1_ms = sum(s.level1_ms for s in slots)  # each request's level 1 proposes in turn
         for s in slots:
             s.beside = max(s.beside, len(slots) - 1)
-            s.events.append(StepTiming(round=s.rounds, level1_ms=0.0, level2_ms=(t1 - t0) * 1e3,
+            s.events.append(StepTiming(round=s.rounds, level1_ms=s.level1_ms, level2_ms=(t1 - t0) * 1e3 - level1_ms,
                                        level3_ms=(t2 - t1) * 1e3, selection_ms=0.0, tokens=len(s.emitted),
                                        level2_forwards=steps if s.gamma else 0))
             s.rounds += 1
@@ -220,8 +222,10 @@ class Batch:
             proposals, news = [], []
             for s in active:
                 asked = min(s.gamma1, s.gamma - len(s.draft))
+                t0 = clock(self.graphs)
                 proposal = s.drafter.propose(s.seq, asked, len(s.seq), s.draft, s.feature) if asked else \
                     Proposal([], None, [])
+                s.level1_ms += (clock(self.graphs) - t0) * 1e3
                 proposals.append((asked, proposal))
                 news.append(s.level2.pending(s.seq, len(proposal.tokens) + 1, len(s.seq), s.draft + proposal.tokens))
             hidden = self.forward([(s.level2, len(n)) for s, n in zip(active, news)],
