@@ -128,7 +128,7 @@ ABOUT = {
                                "Table 4 settings, and the real Qwen2.5-Coder-1.5B; tokens per second over all "
                                "requests once every one has joined, each method beside batched autoregressive "
                                "decoding of the same requests (see [batching.md](batching.md))."),
-    "batch-cpu": About("Several requests decoded together (CPU)", "The embedded model, 1 to 4 requests of ~2K tokens."),
+    "batch-cpu": About("Several requests decoded together (CPU)", "The embedded model, 1 to 4 requests of ~4K tokens."),
     "batch": About("Batching's figures, gathered", "The ratio of method auto over autoregressive decoding, both "
                    "batched, for each setting of the CPU's and the GPU's batch benchmarks."),
     "cpu-steps": About("What a step costs on this CPU, piece by piece", "The embedded model at ~8K tokens: a "
