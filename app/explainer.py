@@ -51,13 +51,14 @@ each cache lives, and the stats give the bytes moved over the link per token.
 
 ## Several visitors at once
 Off a ZeroGPU Space this app decodes every visitor's run in one batch, up to {SEATS} at once: each round level 2
-drafts for every run (checking each run's level-1 proposals), then one level-3 forward verifies all their drafts, its projections reading the weights once
-for every row while each row attends over its own run's caches, so a greedy answer is the one the run alone gives. A
-run that arrives while the batch decodes joins it at a next round (prompts are read one at a time, between rounds);
-beyond the seats runs wait in line, first come first served, each told its place, and *Stop* ends only your own. In
-the batch every cache stays on the device and method *auto* plans one draft length for all its runs (level 2
-drafting alone); a run goes at the batch's pace, so *Compare* says of each run whether it had the device to itself. On ZeroGPU, which lends its GPU
-to one request at a time, runs go one at a time.
+drafts for every run (checking each run's level-1 proposals), then one level-3 forward verifies all their drafts,
+its projections reading the weights once for every row while each row attends over its own run's caches, so a greedy
+answer is the one the run alone gives. A run that arrives while the batch decodes joins it at a next round (prompts
+are read one at a time, between rounds); beyond the seats runs wait in line, first come first served, each told its
+place, and *Stop* ends only your own. In the batch every cache stays on the device and method *auto* plans one draft
+length for all its runs (level 2 drafting alone); a run goes at the batch's pace, so *Compare* says of each run
+whether it had the device to itself. On ZeroGPU, which lends its GPU to one request at a time, runs go one at a
+time.
 
 ## What the visuals show
 - **Answer:** plain text. *Colour by provenance* shows where each token came from: *{PROVENANCE['draft'][0]}*

@@ -212,15 +212,15 @@ def _hand_over(generation: Callable[[], Iterator[dict]], lock: contextlib.Abstra
 
 def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig,
                   deadline: Deadline | None = None, visitor: str = "visitor") -> Iterator[Event]:
-    """The typed events of one generation: `visitor`'s request on the batch (BATCHED; bad input raises
-    TriForceError here), else a run alone, one at a time. The engine's side runs on a thread of its own and hands
-    events over through a queue, so rendering them never holds decoding up (a generator's consumer would otherwise
-    be timed as decoding), in batches HANDOVER_S apart. While the run waits in the batch's line `deadline`'s clock
-    stops, and once it has waited WAITING_S an InLine says its place (again as it moves up). While no event comes (a long prefill forward, the line), a
-    Waiting comes every WAITING_S, so that the consumer yields and a Stop lands; a closed stream (Stop) ends its
-    generation at the next event, or between two layers of a prefill forward, the others in the batch decoding on.
-    Once `deadline` has passed (asked between two handovers) the generation stops the same way, the events it handed
-    over until then standing, and an OutOfTime comes last unless it had finished."""
+    """The typed events of one generation: `visitor`'s request on the batch (BATCHED; bad input raises TriForceError
+    here), else a run alone, one at a time. The engine's side runs on a thread of its own and hands events over
+    through a queue, so rendering them never holds decoding up (a generator's consumer would otherwise be timed as
+    decoding), in batches HANDOVER_S apart. While the run waits in the batch's line `deadline`'s clock stops, and
+    once it has waited WAITING_S an InLine says its place (again as it moves up). While no event comes (a long
+    prefill forward, the line), a Waiting comes every WAITING_S, so that the consumer yields and a Stop lands; a
+    closed stream (Stop) ends its generation at the next event, or between two layers of a prefill forward, the
+    others in the batch decoding on. Once `deadline` has passed (asked between two handovers) the generation stops
+    the same way, the events it handed over until then standing, and an OutOfTime comes last unless it had finished."""
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
     lock: contextlib.AbstractContextManager = contextlib.nullcontext()
