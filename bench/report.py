@@ -125,9 +125,10 @@ ABOUT = {
                       "replaced (see [method-auto.md](method-auto.md#the-simulator-python--m-benchsimulate))."),
     "batch-NVIDIA-H200": About("Several requests decoded together (H200)", "B requests of L prompt tokens in one "
                                "batch, on the GPU's memory: random weights at the Llama-2-7B shape at the paper's "
-                               "Table 4 settings, and the real Qwen2.5-Coder-1.5B; tokens per second over all "
-                               "requests once every one has joined, each method beside batched autoregressive "
-                               "decoding of the same requests (see [batching.md](batching.md))."),
+                               "Table 4 settings (*random*), and at the real Qwen2.5-Coder-1.5B's shape "
+                               "(*random-qwen*: speed only; with these random weights level 3 kept every level-2 token); "
+                               "tokens per second over all requests once every one has joined, each method beside "
+                               "batched autoregressive decoding of the same requests (see [batching.md](batching.md))."),
     "batch-cpu": About("Several requests decoded together (CPU)", "The embedded model, 1 to 4 requests of ~4K tokens."),
     "batch": About("Batching's figures, gathered", "The ratio of method auto over autoregressive decoding, both "
                    "batched, for each setting of the CPU's and the GPU's batch benchmarks."),
@@ -461,7 +462,7 @@ def figures(stem: str, data: dict) -> Iterator[str]:
     elif stem.startswith("batch-") and "results" in data:
         yield from grid(["setting", "method", "sampling", "tokens/s", "ratio", "level-2 acc.", "level-3 step ms",
                          "level-2 step ms", "greedy = single"], (
-            [name.split("_", 1)[1], r["method"], "greedy" if r["greedy"] else SAMPLED, f"{r['tokens_per_s']:.0f}",
+            [name.replace("_", " "), r["method"], "greedy" if r["greedy"] else SAMPLED, f"{r['tokens_per_s']:.0f}",
              f"{r['tokens_per_s'] / base['runs']['ar' if r['greedy'] else 'ar_sampled']['tokens_per_s']:.2f}×",
              share(r["level2_acceptance"]), cell(r.get("level3_ms")), cell(r.get("level2_step_ms")),
              cell(all(base["greedy_identical"])) if r["greedy"] and r["method"] != "ar" else ""]
