@@ -86,7 +86,8 @@ def round_costs(timings: list[StepTiming]) -> dict:
     drafting = [t for t in timings if t.level2_forwards]
     return {"rounds": max(Counter(t.round for t in timings).values(), default=0),
             "level3_ms": statistics.median(t.level3_ms for t in timings) if timings else None,
-            "level2_step_ms": statistics.median(t.level2_ms / t.level2_forwards for t in drafting) if drafting else None,
+            "level2_step_ms": statistics.median(t.level2_ms / t.level2_forwards for t in drafting) if drafting
+            else None,
             "level2_steps": statistics.median(t.level2_forwards for t in drafting) if drafting else None}
 
 
@@ -193,7 +194,8 @@ def main() -> None:
         warm(engine, tok)
         for name in settings:
             fixed = {k: v for k, v in (("budget", args.budget), ("gamma2", args.gamma2)) if v}
-            r = results[f"{part}_{name}"] = setting_run(engine, tok, name, args.new_tokens, args.check, fixed, args.runs)
+            r = results[f"{part}_{name}"] = setting_run(engine, tok, name, args.new_tokens, args.check, fixed,
+                                                        args.runs)
             key = {"cpu": "cpu_embedded_", "real": "real_", **{k: v[0] for k, v in SHAPES.items()}}[part] + name
             if part != "cpu" or name == "4x4k":
                 summary[key.replace("4x4k", "4")] = r.get("speedup_auto")
