@@ -205,7 +205,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     device = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
     old, env = earlier_today(result_path("batch-" + device)), environment()  # today's other parts are kept
-    payload = {**env, "gpu": device, "commands": old.get("commands", [old["command"]] if old else []) + [env["command"]],
+    commands = old.get("commands", [old["command"]] if old else []) + [env["command"]]
+    payload = {**env, "gpu": device, "commands": commands,
                "summary": {"batch": {**old.get("summary", {}).get("batch", {}), **summary}},
                "results": {**old.get("results", {}), **results}}
     print(json.dumps(summary, indent=1))
