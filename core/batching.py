@@ -22,7 +22,7 @@ from core.decode.graphs import Graphs
 from core.decode.levels import Level, Stopped
 from core.decode.output import Output
 from core.events import Event, Finished, Footprint, PrefillProgress, PromptReady, Stats
-from core.io.prompting import Prompt, build_prompt
+from core.io.prompting import Prompt, build_prompt, ids_prompt
 from core.model.transformer import Transformer
 from core.plan.batch import BatchPlanner
 
@@ -72,7 +72,6 @@ class Admitted:
     request: Request
     prompt: Prompt
     plan: Plan
-    device_bytes: int  # its caches on the device (the weights and working memory are the batch's)
     level: Level | None = None
     filling: Iterator[int] | None = None
     t0: float = 0.0
@@ -90,6 +89,13 @@ class Running:
     t0: float
     captured: float
     forwards: int
+
+
+def _device_bytes(plan: Plan) -> tuple[int, int]:
+    """A request's device bytes the batch shares (the weights, the working memory) and its own (its caches)."""
+    placed = plan.placement.device
+    shared = placed.get("weights", 0) + placed.get("working memory", 0)
+    return shared, sum(placed.values()) - shared
 
 
 class BatchRun:
@@ -129,24 +135,17 @@ class BatchRun:
             raise TriForceError(f"a request keyed {request.key!r} is already in the batch")
         cfg = (request.config or e.settings()).validate()
         if request.ids is not None:
-            vocab = self.model.args.vocab_size
-            if not request.ids or not all(isinstance(i, int) and 0 <= i < vocab for i in request.ids):
-                raise TriForceError(f"the prompt must be a non-empty list of token ids below {vocab}")
-            if len(request.ids) + cfg.max_new_tokens > e.context_length:
-                raise TriForceError(f"{len(request.ids)} prompt tokens and {cfg.max_new_tokens} new ones exceed the "
-                                    f"{e.context_length}-token context")
-            prompt = Prompt(list(request.ids), len(request.ids), 0)
+            prompt = ids_prompt(request.ids, self.model.args.vocab_size, e.context_length, cfg.max_new_tokens)
         else:
             prompt = build_prompt(e.tokenizer, request.document, request.instruction, e.context_length,
                                   cfg.max_new_tokens, cfg.overflow)
         plan = e.memory.plan(len(prompt.ids), cfg.resolved, "off" if e.memory.limit is not None else "auto")
-        shared = plan.placement.device.get("weights", 0) + plan.placement.device.get("working memory", 0)
-        own = sum(plan.placement.device.values()) - shared
+        shared, own = _device_bytes(plan)
         if e.memory.limit is not None and shared + own > e.memory.limit:
             raise TriForceError(f"a batched request must fit on the GPU beside the weights ({own / GiB:.1f} GiB of "
                                 f"caches); run it alone to offload its cache")
         with self.line:
-            self.waiting.append(Admitted(request, prompt, plan, own))
+            self.waiting.append(Admitted(request, prompt, plan))
 
     def _queued(self) -> list[Admitted]:
         return [*self.waiting, *([self.filling] if self.filling else [])]
@@ -158,9 +157,8 @@ class BatchRun:
         limit = self.engine.memory.limit
         if limit is None:
             return True
-        placed = admitted.plan.placement.device
-        shared = placed.get("weights", 0) + placed.get("working memory", 0)
-        return shared + admitted.device_bytes + sum(r.admitted.device_bytes for r in self.running.values()) <= limit
+        shared, own = _device_bytes(admitted.plan)
+        return shared + own + sum(_device_bytes(r.admitted.plan)[1] for r in self.running.values()) <= limit
 
     def step(self) -> list[Tagged]:
         """One piece of work: stopped requests leave, the request in line is prefilled a chunk further (or joins),
@@ -250,7 +248,6 @@ class BatchRun:
                 slot.drafter = make_drafters(names[:1], DraftContext(
                     e.draft, cfg, ids, model.args.vocab_size, slot.generator,
                     lambda: self._streaming(a.plan), e.graphs))[names[0]]
-                slot.gamma1 = cfg.gamma1
         self.batch.join(slot)
         self.running[a.request.key] = Running(a, slot, time.perf_counter() - a.t0, time.perf_counter(),
                                               self._captured(), a.level.forwards)

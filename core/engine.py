@@ -14,7 +14,7 @@ import transformers
 
 from core.batching import BatchRun, Request, Tagged
 from core.decode.autoregressive import Autoregressive
-from core.config import AUTO_GAMMA2, SEATS, GenerationConfig, TriForceError
+from core.config import AUTO_GAMMA2, SEATS, GenerationConfig
 from core.decode.graphs import Graphs
 from core.decode.drafters import DraftContext, Drafter, drafter_names, make_drafters
 from core.events import Event, Finished, Footprint, Loading, PrefillProgress, PromptReady, Stats
@@ -27,7 +27,7 @@ from core.model.parallel import TensorParallel, parallelize
 from core.plan.estimate import CostBook, Estimates, Regime
 from core.plan.policy import Auto, Fixed
 from core.io.presets import Preset, preset_config, resolve_preset
-from core.io.prompting import Prompt, build_prompt, plain_ids
+from core.io.prompting import Prompt, build_prompt, ids_prompt, plain_ids
 from core.io.samples import warm_up_text
 from core.decode.ahead import drafts_ahead
 from core.decode.round import Hierarchy
@@ -170,13 +170,8 @@ class Engine:
         """Events of one generation continuing the token ids `ids` as they are (no chat template, no truncation):
         what `generate` runs once it has built its prompt."""
         cfg = (config or self.settings()).validate()
-        vocab = self.target.args.vocab_size
-        if not ids or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
-            raise TriForceError(f"the prompt must be a non-empty list of token ids below {vocab}")
-        if len(ids) + cfg.max_new_tokens > self.context_length:
-            raise TriForceError(f"{len(ids)} prompt tokens and {cfg.max_new_tokens} new ones exceed the "
-                                f"{self.context_length}-token context")
-        return self.memory.during(self._events(Prompt(list(ids), len(ids), 0), cfg, stop))
+        prompt = ids_prompt(ids, self.target.args.vocab_size, self.context_length, cfg.max_new_tokens)
+        return self.memory.during(self._events(prompt, cfg, stop))
 
     def generate_many(self, requests: Iterable[Request], slots: int = SEATS) -> Iterator[Tagged]:
         """Events of several generations decoded together in one batch of at most `slots` (core.batching), each

@@ -20,11 +20,12 @@ from core.cache.ragged import Ragged
 from core.cache.retrieval import Retrieval
 from core.config import DECODE_TOKENS, GenerationConfig
 from core.decode.graphs import Graphs, RaggedGraphs, clock
-from core.decode.levels import Level, common_prefix
+from core.decode.levels import Level
 from core.decode.output import Output
 from core.decode.repetition import Repetition
 from core.decode.drafters import Drafter, Proposal
 from core.decode.sampling import distributions, draw, residual_distribution, speculative_verify
+from core.decode.triforce import keep_level2_in_step
 from core.events import Acceptance, DraftProposal, Event, PlanChosen, StepTiming, Verdict
 from core.model.transformer import Transformer
 
@@ -54,7 +55,6 @@ class Slot:
     retrieval: Retrieval | None = None
     level2: Level | None = None
     drafter: Drafter | None = None  # level 1 (method triforce with a drafter): it proposes, level 2 verifies
-    gamma1: int = 0
     seq: list[int] = field(default_factory=list)
     gamma: int = 0  # this round's draft length (0: an autoregressive step)
     draft: list[int] = field(default_factory=list)
@@ -90,7 +90,6 @@ class Batch:
         self.graphs = graphs
         self.ragged = RaggedGraphs(graphs) if graphs is not None else None
         self.slots: list[Slot] = []
-        self.rounds = 0
 
     def join(self, slot: Slot) -> None:
         """A prefilled request joins at the next round (its level 2 selects its first chunks now)."""
@@ -149,7 +148,6 @@ class Batch:
                                        level3_ms=(t2 - t1) * 1e3, selection_ms=0.0, tokens=len(s.emitted),
                                        level2_forwards=steps if s.gamma else 0))
             s.rounds += 1
-        self.rounds += 1
         return [s for s in slots if s.out.done]
 
     def plan(self, slots: list[Slot]) -> None:
@@ -173,7 +171,7 @@ class Batch:
         """Level 2 drafts each slot's γ2 tokens by itself, every step one forward for the slots still drafting, each
         drawn token fed straight back on the device (the host waits once, at the end). Returns the steps taken."""
         for s in slots:
-            self.keep_level2_in_step(s)
+            keep_level2_in_step(s.target, s.level2, s.retrieval, s.seq)
         if not slots:
             return 0
         news = [s.level2.pending(s.seq, 1, len(s.seq)) for s in slots]
@@ -216,12 +214,12 @@ class Batch:
         slot's level 1 proposes up to its γ1 tokens, then one level-2 forward verifies every slot's proposals, each
         exactly against its own distribution, until every slot holds its γ2 tokens. Returns the level-2 forwards."""
         for s in slots:
-            self.keep_level2_in_step(s)
+            keep_level2_in_step(s.target, s.level2, s.retrieval, s.seq)
         active, steps = list(slots), 0
         while active:
             proposals, news = [], []
             for s in active:
-                asked = min(s.gamma1, s.gamma - len(s.draft))
+                asked = min(s.cfg.gamma1, s.gamma - len(s.draft))
                 t0 = clock(self.graphs)
                 proposal = s.drafter.propose(s.seq, asked, len(s.seq), s.draft, s.feature) if asked else \
                     Proposal([], None, [])
@@ -253,17 +251,6 @@ class Batch:
         for s in slots:  # the last check may overshoot γ2: its extra tokens go
             del s.draft[s.gamma:], s.q[s.gamma:], s.provenance[s.gamma:]
         return steps
-
-    def keep_level2_in_step(self, s: Slot) -> None:
-        """Drop level 2's rejected tokens and give it the full cache's keys and values of every token level 3 holds
-        since (TriForce.keep_level2_in_step, per request)."""
-        valid = common_prefix(s.target.tokens, s.seq, s.retrieval.synced, len(s.seq))
-        keep = common_prefix(s.level2.tokens, s.seq, s.retrieval.synced, valid)
-        s.level2.cache.truncate(keep)
-        del s.level2.tokens[keep:]
-        if valid > s.retrieval.synced:
-            s.level2.tokens.extend(s.seq[keep:valid])
-            s.retrieval.copy_from_full(valid)
 
     def verify(self, slots: list[Slot]) -> int:
         """Level 3 checks every slot's draft in one forward (an autoregressive slot: its next token); each slot's

@@ -62,17 +62,23 @@ class Graphs:
         while len(layouts) > KEPT_LAYOUTS:  # a rollback can step back one block: keep the one before too
             del layouts[next(iter(layouts))]
         key = (len(ids), n_rows, record)
-        g = graphs.get(key)
+        g = graphs[key] = self.replay(graphs.get(key), model, cache, ids, n_rows, record, ops)
+        cache.end()
+        return g.hidden.clone(), list(g.queries)
+
+    def replay(self, g: Graph | None, model: Transformer, cache, ids: torch.Tensor, n_rows: int | None, record: int,
+               ops: TorchOps) -> Graph:
+        """Replay graph `g` of a begun step with the token ids `ids`, or, where there is none yet, capture one (its
+        time counted as capture, not as the step's); returns the graph."""
         if g is None:
             t0 = time.perf_counter()
-            g = graphs[key] = _capture(model, cache, ids.to(cache.device, copy=True), n_rows, record, ops)
-            torch.cuda.synchronize(cache.device)
+            g = _capture(model, cache, ids.to(model.device, copy=True), n_rows, record, ops)
+            torch.cuda.synchronize(model.device)
             self.capture_s += time.perf_counter() - t0
         else:
             g.ids.copy_(ids, non_blocking=True)
         g.graph.replay()
-        cache.end()
-        return g.hidden.clone(), list(g.queries)
+        return g
 
 
 class RaggedGraphs:
@@ -90,17 +96,9 @@ class RaggedGraphs:
         ragged.begin()
         key = (ragged.key(), record, ops.name, getattr(ops, "invariant", True))
         g = self.kept.pop(key, None)
-        if g is None:
-            t0 = time.perf_counter()
-            g = _capture(model, ragged, ids.to(model.device, copy=True), None, record, ops)
-            torch.cuda.synchronize(model.device)
-            self.graphs.capture_s += time.perf_counter() - t0
-            while len(self.kept) >= KEPT_RAGGED:
-                del self.kept[next(iter(self.kept))]
-        else:
-            g.ids.copy_(ids, non_blocking=True)
-        self.kept[key] = g  # the latest last
-        g.graph.replay()
+        while g is None and len(self.kept) >= KEPT_RAGGED:  # room for the one captured now
+            del self.kept[next(iter(self.kept))]
+        g = self.kept[key] = self.graphs.replay(g, model, ragged, ids, None, record, ops)  # the latest last
         ragged.end()
         return g.hidden.clone(), list(g.queries)
 

@@ -38,6 +38,18 @@ def chains(cfg: GenerationConfig) -> bool:
     return not Repetition.applies(cfg) and parallel.ACTIVE is None
 
 
+def keep_level2_in_step(target: Level, level2: Level, retrieval: Retrieval, seq: list[int]) -> None:
+    """Drop level 2's rejected tokens and give every token the full cache holds since the last time the full cache's
+    keys and values: the ones level 2 drafted, and those of rounds it sat out."""
+    valid = common_prefix(target.tokens, seq, retrieval.synced, len(seq))
+    keep = common_prefix(level2.tokens, seq, retrieval.synced, valid)
+    level2.cache.truncate(keep)
+    del level2.tokens[keep:]
+    if valid > retrieval.synced:
+        level2.tokens.extend(seq[keep:valid])
+        retrieval.copy_from_full(valid)
+
+
 class TriForce:
     """One generation: rounds until `out` says stop. The target level's full cache must hold prompt[:-1]; `queries`
     are the ones its prefill recorded for the last prompt row (level 2's first selection); `drafters`: level 1's, by
@@ -102,7 +114,7 @@ class TriForce:
         than the answer still wants (the length depends on the emitted count alone, so verification stays exact)."""
         if h.level2:
             t0 = clock(self.graphs)
-            self.keep_level2_in_step(seq)
+            keep_level2_in_step(self.target, self.level2, self.retrieval, seq)
             record.sync_ms = (clock(self.graphs) - t0) * 1e3
         if ready is not None and ready.plan == h:
             self.ahead_kept += 1
@@ -169,18 +181,6 @@ class TriForce:
         event = self.retrieval.select(self.target.queries, accepted, round_ + 1, position)
         record.selection_ms = event.seconds * 1e3
         return event
-
-    def keep_level2_in_step(self, seq: list[int]) -> None:
-        """Drop level 2's rejected tokens and give every token the full cache holds since the last time the full
-        cache's keys and values: the ones level 2 drafted, and those of rounds it sat out."""
-        retrieval, level2 = self.retrieval, self.level2
-        valid = common_prefix(self.target.tokens, seq, retrieval.synced, len(seq))
-        keep = common_prefix(level2.tokens, seq, retrieval.synced, valid)
-        level2.cache.truncate(keep)
-        del level2.tokens[keep:]
-        if valid > retrieval.synced:
-            level2.tokens.extend(seq[keep:valid])
-            retrieval.copy_from_full(valid)
 
     def shadow(self, h: Hierarchy, seq: list[int], emitted: list[int]) -> dict[str, tuple[list, float]]:
         """Ask each drafter that needs no model (prompt lookup: microseconds a token), unless it drafted this round,

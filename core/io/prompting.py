@@ -137,6 +137,17 @@ def document_fit(tokenizer, document: str, instruction: str, context_length: int
                plain_ids(tokenizer, TRUNCATION_MARKER))
 
 
+def ids_prompt(ids: list[int], vocab_size: int, context_length: int, max_new_tokens: int) -> Prompt:
+    """A prompt of token ids used as they are (no chat template, no truncation); ids out of the vocabulary, or too
+    many for the context beside the answer, are refused in one line."""
+    if not ids or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+        raise TriForceError(f"the prompt must be a non-empty list of token ids below {vocab_size}")
+    if len(ids) + max_new_tokens > context_length:
+        raise TriForceError(f"{len(ids)} prompt tokens and {max_new_tokens} new ones exceed the "
+                            f"{context_length}-token context")
+    return Prompt(list(ids), len(ids), 0)
+
+
 def build_prompt(tokenizer, document: str, instruction: str, context_length: int, max_new_tokens: int,
                  overflow: str) -> Prompt:
     """Prompt ids; a document over the room left is refused or loses its middle (head and tail kept)."""
