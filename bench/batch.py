@@ -9,8 +9,7 @@ python -m bench.batch --parts real --target qwen2.5-coder-1.5b [--settings 4x16k
                                                   the real Qwen2.5-Coder pair's target (docs/real-models.md)
 python -m bench.batch --parts random-qwen --tokenizer smollm2-135m
                                                   random weights at that target's shape, 4x16k and 8x30k (speed only)
-Writes bench/results/batch-<device>.json with summary.batch, and merges those keys into bench/results/batch.json (the
-CPU's and a GPU's together).
+Writes bench/results/batch-<device>.json with summary.batch (a part run in another command the same day is kept).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from bench.common import (DOCS, LLAMA2_7B, QWEN25_15B, earlier_today, environment, merge_summary, random_model,
+from bench.common import (DOCS, LLAMA2_7B, QWEN25_15B, earlier_today, environment, random_model,
                           result_path, save, tokenizer_of)
 from core import Engine, GenerationConfig
 from core.batching import Request
@@ -211,7 +210,6 @@ def main() -> None:
                "results": {**old.get("results", {}), **results}}
     print(json.dumps(summary, indent=1))
     print(f"saved {save('batch-' + device, payload)}")
-    print(f"summary merged into {merge_summary('batch', 'batch', summary)}")  # the CPU's and a GPU's keys together
 
 
 if __name__ == "__main__":

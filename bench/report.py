@@ -126,12 +126,12 @@ ABOUT = {
     "batch-NVIDIA-H200": About("Several requests decoded together (H200)", "B requests of L prompt tokens in one "
                                "batch, on the GPU's memory: random weights at the Llama-2-7B shape at the paper's "
                                "Table 4 settings (*random*), and at the real Qwen2.5-Coder-1.5B's shape "
-                               "(*random-qwen*: speed only; with these random weights level 3 kept every level-2 token); "
-                               "tokens per second over all requests once every one has joined, each method beside "
-                               "batched autoregressive decoding of the same requests (see [batching.md](batching.md))."),
-    "batch-cpu": About("Several requests decoded together (CPU)", "The embedded model, 1 to 4 requests of ~4K tokens."),
-    "batch": About("Batching's figures, gathered", "The ratio of method auto over autoregressive decoding, both "
-                   "batched, for each setting of the CPU's and the GPU's batch benchmarks."),
+                               "(*random-qwen*: speed only; with these random weights level 3 kept every level-2 "
+                               "token); tokens per second over all requests once every one has joined, each method "
+                               "beside batched autoregressive decoding of the same requests (see "
+                               "[batching.md](batching.md))."),
+    "batch-cpu": About("Several requests decoded together (CPU)", "The embedded model, 1 to 4 requests of ~4K "
+                       "tokens."),
     "cpu-steps": About("What a step costs on this CPU, piece by piece", "The embedded model at ~8K tokens: a "
                        "forward by rows on the full and the retrieval cache, the distributions by rows, and a "
                        "level-2 step against a full one as method auto sees it."),
