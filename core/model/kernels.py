@@ -282,9 +282,10 @@ GEMV_BLOCKS = (16, DECODE_TOKENS)
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
          accumulate: bool = True) -> torch.Tensor:
-    """x [m, K] @ weight[N, K].T (+ bias) for m <= DECODE_TOKENS (a batch's more: in pieces of that many), as one
-    kernel computing a block of rows that depends on m alone (GEMV_BLOCKS), into a new [m, N] tensor of x's dtype or into `out` [m, N], to which it is added
-    (a residual connection without a separate add or split-K reduction) unless not `accumulate`; returns the result."""
+    """x [m, K] @ weight[N, K].T (+ bias) for m <= DECODE_TOKENS (a batch's more: in pieces of that many), as one kernel
+    computing a block of rows that depends on m alone (GEMV_BLOCKS), into a new [m, N] tensor of x's dtype or into
+    `out` [m, N], to which it is added (a residual connection without a separate add or split-K reduction) unless not
+    `accumulate`; returns the result."""
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()

@@ -329,9 +329,10 @@ class CostBook:
     def estimates(self, regime: Regime, budget: int, drafters: Iterable[str] = (), shadowed: Iterable[str] = (),
                   level2_cuts: bool = True) -> Estimates:
         """A run's starting knowledge: each kind of step's samples of its own kind of run, over a prior from the other
-        kinds' lines, the nearest's first (what it lacks, a farther one's gives: a slope, a one-row step's cost); acceptances carried from the nearest kind of run (a drafter measured in passing by
-        every run, `shadowed`, borrows the lower of the two nearest kinds': how often an answer quotes the document
-        depends on the sampling too, and a guess too low costs little while the run measures it anyway)."""
+        kinds' lines, the nearest's first (what it lacks, a farther one's gives: a slope, a one-row step's cost);
+        acceptances carried from the nearest kind of run (a drafter measured in passing by every run, `shadowed`,
+        borrows the lower of the two nearest kinds': how often an answer quotes the document depends on the sampling
+        too, and a guess too low costs little while the run measures it anyway)."""
         e = Estimates(level2_cuts=level2_cuts)
         for kind in STEP_KINDS:
             key = (kind, regime) if kind == "level3" else (kind, regime, budget)
