@@ -10,26 +10,29 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
-import torch
-
-from core.cache.kvcache import KVCache, StreamingCache
 from core.cache.memory import GiB, Memory, Plan
-from core.cache.retrieval import Retrieval
-from core.config import AUTO_GAMMA2, MAX_SLOTS, SEATS, GenerationConfig, TriForceError
+from core.config import MAX_SLOTS, SEATS, GenerationConfig, TriForceError
 from core.decode.batch import Batch, Slot
 from core.decode.drafters import DraftContext, drafter_names, make_drafters
 from core.decode.graphs import Graphs
 from core.decode.levels import Level, Stopped
-from core.decode.output import Output
-from core.events import Event, Finished, Footprint, PrefillProgress, PromptReady, Stats
+from core.events import Event, Finished, Footprint, PrefillProgress
 from core.io.prompting import Prompt, build_prompt, ids_prompt
+from core.lifecycle import Clock, announce, begin, finish
 from core.model.transformer import Transformer
-from core.plan.batch import BatchPlanner
+from core.plan.estimate import CostBook
+from core.plan.policy import BatchAuto
+
+
+# A newcomer's prefill between two rounds may take this share of the batch's last round's time: the requests
+# decoding keep at least 1 / (1 + PREFILL_SHARE) = 0.71 of their pace alone while it fills (chunked prefill under a
+# budget, as serving engines do; the chunks themselves stay the single run's, so its keys and values are the same).
+PREFILL_SHARE = 0.4
 
 
 class Host(Protocol):
     """What a batch takes of its engine (core.engine.Engine): the target, the level-1 draft model and the tokenizer,
-    the context, the memory plan, the CUDA graphs, the default settings and the prefill's chunk."""
+    the context, the memory plan, the CUDA graphs, the cost book, the default settings and the prefill's chunk."""
 
     target: Transformer
     draft: Transformer | None
@@ -37,6 +40,7 @@ class Host(Protocol):
     context_length: int
     memory: Memory
     graphs: Graphs | None
+    costs: CostBook
 
     def settings(self, **changes) -> GenerationConfig: ...
 
@@ -74,7 +78,7 @@ class Admitted:
     plan: Plan
     level: Level | None = None
     filling: Iterator[int] | None = None
-    t0: float = 0.0
+    clock: Clock | None = None
     chunk: int = 0  # prompt tokens a prefill forward takes
     done: int = 0
 
@@ -85,10 +89,6 @@ class Running:
 
     admitted: Admitted
     slot: Slot
-    prefill_s: float
-    t0: float
-    captured: float
-    forwards: int
 
 
 def _device_bytes(plan: Plan) -> tuple[int, int]:
@@ -108,11 +108,12 @@ class BatchRun:
             raise TriForceError(f"a batch holds 1 to {MAX_SLOTS} requests, not {slots}")
         self.engine, self.slots = engine, slots
         self.model = engine.target
-        self.batch = Batch(self.model, BatchPlanner(AUTO_GAMMA2), engine.graphs)
+        self.batch = Batch(self.model, BatchAuto(engine.costs), engine.graphs)
         self.waiting: deque[Admitted] = deque()
         self.filling: Admitted | None = None
         self.running: dict[str, Running] = {}
         self.line = threading.Lock()  # `submit` may be called from other threads than `step`'s
+        self.round_s = 0.0  # the batch's last round
 
     @property
     def busy(self) -> bool:
@@ -175,14 +176,19 @@ class BatchRun:
         if self.filling is not None:
             self._fill(out)
         if self.running:
-            for slot in self.batch.round():
+            t0 = time.perf_counter()
+            done = self.batch.round()
+            self.round_s = time.perf_counter() - t0
+            for slot in done:
                 self._finish(slot, out)
             for key, run in list(self.running.items()):
                 out += [Tagged(key, e) for e in run.slot.events]
                 run.slot.events.clear()
-                if run.slot.out.done:
+                if run.slot.request.out.done:
                     del self.running[key]
                     self.batch.leave(run.slot)
+            if not self.running:  # the batch emptied: what it measured goes to the engine's cost book
+                self.batch.policy.finish()
         return out
 
     def _drop_stopped(self) -> None:
@@ -196,26 +202,20 @@ class BatchRun:
                 self.batch.leave(run.slot)
 
     def _start(self, a: Admitted, out: list[Tagged]) -> None:
-        """A request's caches and its prefill begin."""
+        """A request's full cache (core.cache.memory) and its prefill begin."""
         e, ids, plan = self.engine, a.prompt.ids, a.plan
-        cfg, cs = plan.cfg, plan.cfg.chunk_size
-        out.append(Tagged(a.request.key, PromptReady(
-            prompt_tokens=len(ids), document_tokens=a.prompt.document_tokens, dropped_tokens=a.prompt.dropped_tokens,
-            context_length=e.context_length, max_new_tokens=cfg.max_new_tokens, chunk_size=cs,
-            chunk_texts=[e.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)], offloaded=False,
-            caches=plan.placement.describe())))
-        args = self.model.args
-        full = KVCache(args.n_layers, args.n_kv_heads, args.head_dim, plan.sizes.full, self.model.dtype,
-                       self.model.device)
-        a.level = Level(self.model, full, [], e.graphs)
-        a.chunk = cfg.prefill_chunk or e.prefill_chunk()
-        a.filling, a.t0 = a.level.prefill(ids[:-1], a.chunk, record=1, stop=a.request.stop), time.perf_counter()
+        out.append(Tagged(a.request.key, announce(a.prompt, plan, e.tokenizer, e.context_length)))
+        a.level = Level(self.model, e.memory.own_caches(plan, retrieval=False)[0], [], e.graphs)
+        a.chunk = plan.cfg.prefill_chunk or e.prefill_chunk()
+        a.filling = a.level.prefill(ids[:-1], a.chunk, record=1, stop=a.request.stop)
+        a.clock = Clock(time.perf_counter())
 
     def _fill(self, out: list[Tagged]) -> None:
-        """The prefill a chunk further (while nothing decodes, a progress further: its caller hands each over as it
-        comes); once done, the request joins."""
+        """The prefill further: while nothing decodes, a progress further (its caller hands each over as it comes);
+        beside decoding requests, for PREFILL_SHARE of the batch's last round's time (at least one progress: a
+        layer of a chunk on a CPU, a chunk on a GPU). Once done, the request joins."""
         a = self.filling
-        total, chunk_end = len(a.prompt.ids) - 1, a.done + a.chunk
+        total, t0 = len(a.prompt.ids) - 1, time.perf_counter()
         while True:
             try:
                 a.done = next(a.filling, total)
@@ -223,64 +223,40 @@ class BatchRun:
                 self.filling = None
                 return
             out.append(Tagged(a.request.key, PrefillProgress(done=a.done, total=total,
-                                                             seconds=time.perf_counter() - a.t0,
+                                                             seconds=time.perf_counter() - a.clock.started,
                                                              cache_bytes=a.level.cache.nbytes)))
-            if a.done >= total or not self.running or a.done >= chunk_end:  # (a CPU's prefill yields per layer too)
+            if a.done >= total or not self.running or time.perf_counter() - t0 >= PREFILL_SHARE * self.round_s:
                 break
         if a.done >= total:
             self.filling = None
             self._join(a)
 
     def _join(self, a: Admitted) -> None:
-        """A prefilled request's slot: its level 2 (TriForce and auto) on its own retrieval cache."""
-        e, cfg, ids, model = self.engine, a.plan.cfg, a.prompt.ids, self.model
-        slot = Slot(a.request.key, ids, cfg, a.level, Output(e.tokenizer, cfg, model.eos_ids),
-                    torch.Generator(model.device).manual_seed(cfg.seed))
-        if cfg.method != "ar":
-            args = model.args
-            cache = KVCache(args.n_layers, args.n_kv_heads, args.head_dim, a.plan.sizes.retrieval, model.dtype,
-                            model.device)
-            slot.retrieval = Retrieval(a.level.cache, cfg, cache, model.ops)
-            slot.level2 = Level(model, slot.retrieval.cache, ids[:-1], e.graphs, drafting=True)
-        if cfg.method == "triforce":  # its level 1 as a single run's (auto's batch plan drafts with level 2 alone)
-            names = drafter_names(cfg.drafter, cfg.method, e.draft is not None)
+        """A prefilled request's slot: its level 2 (methods that draft) on its own retrieval cache, a triforce
+        request's level 1 as in its single run (a planned request's batch plan drafts with level 2 alone)."""
+        e, plan, ids = self.engine, a.plan, a.prompt.ids
+        cfg = plan.cfg
+        retrieval = e.memory.own_caches(plan, retrieval=True)[1] if cfg.kind.drafts else None
+        request = begin(a.level, ids, plan, e.tokenizer, retrieval, e.graphs)
+        slot = Slot(a.request.key, request, level2_cuts=plan.sizes.kept_chunks < plan.sizes.index_chunks)
+        if cfg.kind.drafts and not cfg.kind.planned:
+            names = drafter_names(cfg.drafter, False, e.draft is not None)
             if names:
                 slot.drafter = make_drafters(names[:1], DraftContext(
-                    e.draft, cfg, ids, model.args.vocab_size, slot.generator,
-                    lambda: self._streaming(a.plan), e.graphs))[names[0]]
+                    e.draft, cfg, ids, self.model.args.vocab_size, request.generator,
+                    lambda: e.memory.own_streaming_cache(plan, e.draft), e.graphs))[names[0]]
         self.batch.join(slot)
-        self.running[a.request.key] = Running(a, slot, time.perf_counter() - a.t0, time.perf_counter(),
-                                              self._captured(), a.level.forwards)
-
-    def _streaming(self, plan: Plan) -> StreamingCache:
-        """A request's own StreamingLLM cache for the level-1 draft model."""
-        d, cfg = self.engine.draft.args, plan.cfg
-        return StreamingCache(d.n_layers, d.n_kv_heads, d.head_dim, plan.sizes.streaming, cfg.sink_tokens,
-                              cfg.window_tokens, self.engine.draft.rotary, self.engine.draft.dtype,
-                              self.engine.draft.device)
-
-    def _captured(self) -> float:
-        return self.engine.graphs.capture_s if self.engine.graphs is not None else 0.0
+        a.clock.decode_from(a.level, e.graphs)
+        self.running[a.request.key] = Running(a, slot)
 
     def _finish(self, slot: Slot, out: list[Tagged]) -> None:
         """A finished request's figures (its Finished event joins its events)."""
-        run, model = self.running[slot.key], self.model
-        warmup = self._captured() - run.captured
-        decode_s = time.perf_counter() - run.t0 - warmup
-        n, forwards = len(slot.out.ids), slot.target.forwards - run.forwards
-        retrieval = slot.retrieval.cache.nbytes if slot.retrieval else 0
-        stats = Stats.of(
-            Footprint(slot.counts, slot.drafter.name if slot.drafter else "none" if slot.drafts else "",
-                      slot.drafter.steps if slot.drafter else 0, retrieval,
-                      slot.drafter.level.cache.nbytes if slot.drafter and slot.drafter.level else 0,
-                      slot.drafter.level.model.step_weight_bytes() if slot.drafter and slot.drafter.level else 0,
-                      plans=slot.plans),
-            method=slot.cfg.method, new_tokens=n, prompt_tokens=len(slot.prompt),
-            dropped_tokens=run.admitted.prompt.dropped_tokens, prefill_s=run.prefill_s, prefill_reused=False,
-            decode_s=decode_s, warmup_s=warmup, tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
-            time_to_first_token_s=(slot.out.first_token_at or run.t0) - run.admitted.t0, target_forwards=forwards,
-            tokens_per_target_forward=n / forwards if forwards else 0.0, cache_bytes=slot.target.cache.nbytes,
-            target_weight_bytes=model.step_weight_bytes(), stop_reason=slot.out.stop_reason,
-            device=str(model.device), dtype=str(model.dtype).removeprefix("torch."), settings=slot.cfg.to_dict(),
-            shared_with=slot.beside)
-        slot.events.append(Finished(slot.out.text, slot.out.ids, slot.prompt, stats))
+        run, r = self.running[slot.key], slot.request
+        d = slot.drafter
+        level1 = d.level if d else None
+        footprint = Footprint(r.counts, d.name if d else "none" if r.drafts else "", d.steps if d else 0,
+                              r.retrieval.cache.nbytes if r.retrieval else 0, level1.cache.nbytes if level1 else 0,
+                              level1.model.step_weight_bytes() if level1 else 0, plans=r.plans)
+        stats = finish(footprint, r.cfg.method, r.out, run.admitted.prompt, r.target, run.admitted.clock,
+                       self.engine.graphs, r.cfg.to_dict(), shared_with=slot.beside)
+        slot.events.append(Finished(r.out.text, r.out.ids, r.prompt, stats))

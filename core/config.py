@@ -11,6 +11,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal, Union
 
 Method = Literal["auto", "triforce", "ar"]
+
+
+@dataclass(frozen=True)
+class MethodKind:
+    """What a method's name means, resolved once (GenerationConfig.kind): whether level 2 drafts for level 3 (the
+    request holds a retrieval cache) and whether a planner chooses each round's levels and γs (method auto) or the
+    settings fix them."""
+
+    drafts: bool
+    planned: bool
+
+
+METHODS = {"auto": MethodKind(True, True), "triforce": MethodKind(True, False), "ar": MethodKind(False, False)}
 Reselect = Union[str, int]
 SEED_LIMIT = 2**63  # torch generators take seeds below this
 # The most new tokens one decode step takes: such a forward reads its lengths from device memory (CUDA graphs) and
@@ -157,7 +170,7 @@ class GenerationConfig:
     def resolved(self, offloaded: bool) -> GenerationConfig:
         """A copy with the regime's defaults filled in: budget 4096 and γ2 6 on-chip, 8192 and 12 offloaded (the
         paper's settings for each); method auto bounds γ2 by AUTO_GAMMA2."""
-        gamma2 = AUTO_GAMMA2 if self.method == "auto" else 12 if offloaded else 6
+        gamma2 = AUTO_GAMMA2 if self.kind.planned else 12 if offloaded else 6
         return dataclasses.replace(self, budget=self.budget or (8192 if offloaded else 4096),
                                    gamma2=self.gamma2 or gamma2).validate()
 
@@ -168,6 +181,10 @@ class GenerationConfig:
         longest round of any method (auto may draft AUTO_GAMMA2), so that runs of different methods on one prompt
         share their caches. Resolved settings only (γ2 known)."""
         return self.gamma1 + max(self.gamma2, AUTO_GAMMA2) + 2
+
+    @property
+    def kind(self) -> MethodKind:
+        return METHODS[self.method]
 
     @property
     def is_greedy(self) -> bool:

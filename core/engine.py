@@ -17,12 +17,11 @@ from core.decode.autoregressive import Autoregressive
 from core.config import AUTO_GAMMA2, SEATS, GenerationConfig
 from core.decode.graphs import Graphs
 from core.decode.drafters import DraftContext, Drafter, drafter_names, make_drafters
-from core.events import Event, Finished, Footprint, Loading, PrefillProgress, PromptReady, Stats
+from core.events import Event, Finished, Footprint, Loading, PrefillProgress, Stats
 from core.decode.levels import Level, Stopped
 from core.io.loading import default_draft, device_and_dtype, load_draft, load_model
 from core.cache.memory import GiB, Memory, Plan, Prefilled, device_limit, working_bytes
 from core.model.transformer import Transformer
-from core.decode.output import Output
 from core.model.parallel import TensorParallel, parallelize
 from core.plan.estimate import CostBook, Estimates, Regime
 from core.plan.policy import Auto, Fixed
@@ -31,7 +30,9 @@ from core.io.prompting import Prompt, build_prompt, ids_prompt, plain_ids
 from core.io.samples import warm_up_text
 from core.decode.ahead import drafts_ahead
 from core.decode.round import Hierarchy
-from core.decode.triforce import TriForce, chains
+from core.decode.request import RequestState, chains
+from core.decode.triforce import TriForce
+from core.lifecycle import Clock, announce, begin, finish
 
 _LOADED: dict[tuple, "Engine"] = {}
 
@@ -228,71 +229,53 @@ class Engine:
         """One run: plan its memory, prefill the full cache, decode, then the figures."""
         ids, model = prompt.ids, self.target
         plan = self.plan(len(ids), cfg)
-        cfg, cs = plan.cfg, plan.cfg.chunk_size
-        yield PromptReady(prompt_tokens=len(ids), document_tokens=prompt.document_tokens,
-                          dropped_tokens=prompt.dropped_tokens, context_length=self.context_length,
-                          max_new_tokens=cfg.max_new_tokens, chunk_size=cs,
-                          chunk_texts=[self.tokenizer.decode(ids[i:i + cs]) for i in range(0, len(ids), cs)],
-                          offloaded=plan.placement.offloaded, caches=plan.placement.describe())
+        cfg = plan.cfg
+        yield announce(prompt, plan, self.tokenizer, self.context_length)
         target = Level(model, self.memory.full_cache(plan), [], self.graphs)
-        t0 = time.perf_counter()
+        clock = Clock(time.perf_counter())
         try:
-            for progress in self._prefill(target, ids, cfg, t0, stop):
+            for progress in self._prefill(target, ids, cfg, clock.started, stop):
                 yield progress
         except Stopped:  # the half-filled cache is dropped once copies in flight to or from it are done
             if model.device.type == "cuda":
                 torch.cuda.synchronize(model.device)
             return
-        out = Output(self.tokenizer, cfg, model.eos_ids)
-        generator = torch.Generator(model.device).manual_seed(cfg.seed)
-        decoder, estimates = self._decoder(plan, target, ids, generator, out)
+        decoder, estimates, request = self._decoder(plan, target, ids)
         yield from decoder.prepare()
-        prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        forwards, moved = target.forwards, target.cache.moved
-        captured = self.graphs.capture_s if self.graphs else 0.0
+        clock.decode_from(target, self.graphs)
         yield from decoder.run()
         self.costs.learn(Regime.of(plan.placement.offloaded, len(ids), cfg.is_greedy), cfg.budget, estimates)
-        warmup_s = (self.graphs.capture_s if self.graphs else 0.0) - captured
-        decode_s = time.perf_counter() - t1 - warmup_s  # capturing graphs (first use of a shape) is not decoding
-        n, forwards = len(out.ids), target.forwards - forwards
-        stats = Stats.of(
-            decoder.footprint(), method=cfg.method, new_tokens=n, prompt_tokens=len(ids),
-            dropped_tokens=prompt.dropped_tokens, prefill_s=prefill_s, prefill_reused=progress.reused,
-            decode_s=decode_s, warmup_s=warmup_s, tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
-            time_to_first_token_s=(out.first_token_at or t1) - t0, target_forwards=forwards,
-            tokens_per_target_forward=n / forwards if forwards else 0.0, cache_bytes=target.cache.nbytes,
-            target_weight_bytes=model.step_weight_bytes(), stop_reason=out.stop_reason, device=str(model.device),
-            dtype=str(model.dtype).removeprefix("torch."), settings=cfg.to_dict(), offloaded=plan.placement.offloaded,
-            host_link_bytes=target.cache.moved - moved)
-        yield Finished(out.text, out.ids, ids, stats)
+        stats = finish(decoder.footprint(), cfg.method, request.out, prompt, target, clock, self.graphs,
+                       cfg.to_dict(), offloaded=plan.placement.offloaded, prefill_reused=progress.reused)
+        yield Finished(request.out.text, request.out.ids, ids, stats)
 
-    def _decoder(self, plan: Plan, target: Level, ids: list[int], generator: torch.Generator, out: Output
-                 ) -> tuple[Decoder, Estimates]:
-        """The decoding method the plan's settings name, over the prefilled target level, and the estimates its
-        rounds teach (from what earlier runs of this kind measured). Every setting named auto is decided here: the
-        policy (method auto's planner, or triforce's fixed hierarchy), its drafters, drafting ahead."""
-        cfg, offloaded, device = plan.cfg, plan.placement.offloaded, self.target.device
-        drafters = self.drafters(plan, ids, generator) if cfg.method != "ar" else {}
+    def _decoder(self, plan: Plan, target: Level, ids: list[int]) -> tuple[Decoder, Estimates, RequestState]:
+        """The decoding method the plan's settings name, over the prefilled target level, the estimates its rounds
+        teach (from what earlier runs of this kind measured), and its request. Every setting named auto is decided
+        here: the policy (method auto's planner, or triforce's fixed hierarchy), its drafters, drafting ahead."""
+        cfg, offloaded, device, kind = plan.cfg, plan.placement.offloaded, self.target.device, plan.cfg.kind
+        request = begin(target, ids, plan, self.tokenizer,
+                        self.memory.retrieval_cache(plan) if kind.drafts else None, self.graphs,
+                        self.memory.index_device(plan))
+        drafters = self.drafters(plan, ids, request.generator) if kind.drafts else {}
         level2_cuts = plan.sizes.kept_chunks < plan.sizes.index_chunks  # else level 2 reads what level 3 reads
         estimates = self.costs.estimates(Regime.of(offloaded, len(ids), cfg.is_greedy), cfg.budget, list(drafters),
                                          [name for name, d in drafters.items() if d.in_passing], level2_cuts)
-        if cfg.method == "ar":
-            return Autoregressive(target, ids, cfg, generator, out, estimates.observe), estimates
+        if not kind.drafts:
+            return Autoregressive(target, ids, cfg, request.generator, request.out, estimates.observe), estimates, \
+                request
         ahead = drafts_ahead(cfg.draft_ahead, offloaded, device)
-        if cfg.method == "auto":
+        if kind.planned:
             policy = Auto(estimates, list(drafters), cfg.gamma1, cfg.gamma2, streamed=offloaded, level2=level2_cuts,
                           ahead=ahead and device.type == "cuda", chained=chains(cfg) and self.graphs is not None)
         else:
             level1 = next(iter(drafters), "")
             policy = Fixed(Hierarchy(level1, True, cfg.gamma1 if level1 else 0, cfg.gamma2, ahead), estimates)
-        return TriForce(target, ids, self.memory.kept.queries, drafters, cfg, generator, out,
-                        self.memory.retrieval_cache(plan), policy, self.graphs, self.memory.index_device(plan)), \
-            estimates
+        return TriForce(request, self.memory.kept.queries, drafters, policy, self.graphs), estimates, request
 
     def _drafter_names(self, cfg: GenerationConfig) -> list[str]:
         """The level-1 drafters a run of these settings holds."""
-        return drafter_names(cfg.drafter, cfg.method, self.draft is not None)
+        return drafter_names(cfg.drafter, cfg.kind.planned, self.draft is not None)
 
     def _prefill(self, target: Level, ids: list[int], cfg: GenerationConfig, t0: float,
                  stop: threading.Event | None = None) -> Iterator[PrefillProgress]:

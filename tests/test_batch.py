@@ -1,6 +1,7 @@
 """Batched decoding: each request's answer is what it is alone (greedy and same-seed sampled token for token, sampled
 in distribution), requests join and leave between rounds, a stop ends one request only, the seats bound the batch,
-and the batch planner never plans below autoregressive decoding."""
+and the batch planner never plans below autoregressive decoding, keeps each request's bounds and learns into the
+cost book."""
 
 import random
 import threading
@@ -9,13 +10,15 @@ from collections import Counter
 import pytest
 import torch
 
-import core.decode.batch
+import core.decode.request
 from core.batching import Request
 from core.config import GenerationConfig, TriForceError
 from core.decode.sampling import residual_distribution, speculative_verify
 from core.engine import Engine
 from core.events import Finished, Tokens
-from core.plan.batch import BatchPlanner
+from core.decode.round import Ask, BatchRecord
+from core.plan.estimate import CostBook
+from core.plan.policy import MAX_SWITCHES, BatchAuto
 from core.serving import BatchServer
 from tests.lossless import BIASED_DRAWS, CFG, DRAWS, target_pairs, tiny_engine
 from tests.stats import chi_square_p
@@ -137,7 +140,7 @@ def test_batched_sampling_is_lossless_and_detects_a_neighbours_residual(monkeypa
     p_ok = chi_square_p(seen, expected, DRAWS)
     assert p_ok > 1e-3, f"batched sampler rejected (p={p_ok:.2e})"
 
-    monkeypatch.setattr(core.decode.batch, "speculative_verify", neighbour_residual(speculative_verify))
+    monkeypatch.setattr(core.decode.request, "speculative_verify", neighbour_residual(speculative_verify))
     with torch.no_grad():
         biased, _, _ = counts(BIASED_DRAWS)
     p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
@@ -193,39 +196,93 @@ def test_bad_requests_are_refused_before_anything_runs(engine, prompts):
     assert isinstance(events[-1], Finished)
 
 
-def plan_case(rng: random.Random) -> tuple[BatchPlanner, list[tuple[int, int]], list[int]]:
-    """A planner that measured a random batch's steps: level 3 as weights + every request's cache per row, level 2 as
-    weights + retrieval caches per request drafting; random acceptances and fixed neighbours."""
-    planner = BatchPlanner(31)
+def measured_batch(rng: random.Random) -> tuple[BatchAuto, list[Ask]]:
+    """A batch planner that measured a random batch's steps (level 3 as weights + every request's cache + a cost per
+    row, level 2 as weights + each drafting request's retrieval cache), with random requests: planned or fixed,
+    acceptances, γ2 bounds, and some whose level 2 would read their whole prompt."""
+    auto = BatchAuto(CostBook())
     weights, cache, retrieval = rng.uniform(1, 10), rng.uniform(0.1, 20), rng.uniform(0.01, 5)
-    slots = rng.randint(1, 8)
-    for rows in (slots, 2 * slots, 5 * slots):
-        planner.level3.add(rows, weights + cache * slots + 0.05 * rows)
-    for drafting in (1, slots):
-        planner.level2.add(drafting, weights + retrieval * drafting)
-    auto = [(v, int(v * rng.uniform(0.3, 1.0))) for v in (rng.randint(0, 200) for _ in range(slots))]
-    fixed = [rng.choice([0, 4, 6]) for _ in range(rng.randint(0, 3))]
-    return planner, auto, fixed
+    n = rng.randint(1, 8)
+    asks = []
+    for _ in range(n):
+        planned = rng.random() < 0.75
+        verified = rng.randint(0, 200)
+        asks.append(Ask(planned, rng.choice([2, 6, 31]) if planned else rng.choice([0, 4, 6]), rng.random() < 0.9,
+                        verified, int(verified * rng.uniform(0.3, 1.0)), 16_000, 4096, True))
+    auto.choose(asks)  # its regime's estimates, empty
+    for rows in (n, 2 * n, 5 * n):
+        for _ in range(3):
+            auto.observe(BatchRecord(rows, weights + cache * n + 0.05 * rows))
+    for drafting in (1, n):
+        for _ in range(3):
+            auto.observe(BatchRecord(n, weights + cache * n + 0.05 * n, drafting, 1, weights + retrieval * drafting))
+    return auto, asks
 
 
-def test_batch_plan_is_never_below_autoregressive_and_drafts_where_caches_dominate():
-    """On 300 random batches the chosen γ2 is planned at least as fast as autoregressive decoding; where level 2
-    costs a tenth of level 3 and level 2 is nearly always accepted, the batch drafts; where a level-2 step costs as
-    much as level 3's, it does not."""
+def test_batch_plan_is_never_below_autoregressive_and_keeps_each_requests_bounds():
+    """On 300 random batches the γ2s chosen are priced at least as fast as autoregressive decoding; no planned
+    request drafts past its own γ2 bound, nor at all where its level 2 would read its whole prompt; a request whose
+    settings fix its γ2 keeps it."""
     rng = random.Random(0)
     for _ in range(300):
-        planner, auto, fixed = plan_case(rng)
-        for _ in range(3):  # measuring, then weighing
-            gamma = planner.choose(auto, fixed)
-        alphas = [(a + 0.9 * 4) / (v + 4) for v, a in auto]
-        assert planner.rate(alphas, fixed, gamma) >= planner.rate(alphas, fixed, 0) * (1 - 1e-9)
-    cheap, dear = BatchPlanner(31), BatchPlanner(31)
-    for rows in (8, 40):
-        cheap.level3.add(rows, 100.0 + rows * 0.1)
-        dear.level3.add(rows, 10.0 + rows * 0.1)
-    for drafting in (1, 8):
-        cheap.level2.add(drafting, 10.0)
-        dear.level2.add(drafting, 10.0)
-    seen = [(1000, 990)] * 8
-    assert cheap.choose(seen, []) and cheap.choose(seen, []) > 0
-    assert dear.choose(seen, []) == 0 and dear.choose(seen, []) == 0
+        auto, asks = measured_batch(rng)
+        for _ in range(3):  # weighing, then kept
+            gammas = auto.choose(asks)
+            auto.rounds = 10  # as if MIN_ROUNDS had passed
+        rates = auto.rates(asks, [0, auto.gamma])
+        assert rates[auto.gamma] >= rates[0] * (1 - 1e-9)
+        for a, g in zip(asks, gammas):
+            if a.planned:
+                assert g <= a.gamma2 and (g == 0 or a.level2)
+            else:
+                assert g == a.gamma2
+
+
+def batch_of(level3_fixed: float, level2: float, alpha_seen: tuple[int, int] = (1000, 990), n: int = 8
+             ) -> tuple[BatchAuto, list[Ask]]:
+    """A batch of `n` planned requests whose level 3 costs `level3_fixed` + 0.1 ms a row and level 2 `level2` a step,
+    each having seen `alpha_seen` (verified, accepted)."""
+    auto = BatchAuto(CostBook())
+    asks = [Ask(True, 31, True, *alpha_seen, 16_000, 4096, True)] * n
+    auto.choose(asks)
+    for rows in (n, 5 * n):
+        auto.observe(BatchRecord(rows, level3_fixed + 0.1 * rows, n, 1, level2))
+        auto.observe(BatchRecord(rows, level3_fixed + 0.1 * rows, 1, 1, level2))
+    return auto, asks
+
+
+def test_batch_drafts_where_caches_dominate_and_not_where_level_2_costs_a_full_step():
+    """Where level 2 costs a tenth of level 3 and is nearly always accepted, the batch drafts; where a level-2 step
+    costs as much as a full one, it does not, and says in words why."""
+    cheap, asks = batch_of(100.0, 10.0)
+    assert cheap.choose(asks)[0] > 0 and "autoregressive" in cheap.reason
+    dear, asks = batch_of(10.0, 10.0)
+    assert dear.choose(asks)[0] == 0 and "would not pay" in dear.reason
+
+
+def test_batch_weighs_acceptance_with_caution():
+    """The same acceptance seen over few drafts counts for less than over many: a batch that drafts long at 0.9
+    seen over 2,000 verifications drafts shorter (or not at all) at 0.9 seen over 10."""
+    sure, asks = batch_of(20.0, 4.0, (2000, 1800))
+    unsure, few = batch_of(20.0, 4.0, (10, 9))
+    assert unsure.choose(few)[0] < sure.choose(asks)[0]
+
+
+def test_a_second_batch_starts_from_what_the_first_measured():
+    """The batch's step costs go into the engine's cost book under the batched regime: a second batch of the same
+    kind weighs at once instead of measuring, and a batch's switches stay within MAX_SWITCHES."""
+    first, asks = batch_of(100.0, 10.0)
+    assert first.choose(asks)[0] > 0
+    first.finish()
+    second = BatchAuto(first.book)
+    assert second.choose(asks)[0] > 0 and not second.measuring
+    flip = BatchAuto(CostBook())
+    flip.choose(asks)
+    for i in range(60):  # costs that swing every round: the planner may follow them only so often
+        cost = 100.0 if i % 2 else 10.0
+        for _ in range(9):
+            flip.observe(BatchRecord(8, cost + 0.8, 8, 1, 10.0))
+            flip.observe(BatchRecord(40, cost + 4.0, 8, 1, 10.0))
+        flip.rounds = 10
+        flip.choose(asks)
+    assert flip.switches <= MAX_SWITCHES

@@ -237,6 +237,20 @@ class Memory:
         make = OffloadedKVCache if plan.placement.offloaded else KVCache
         return make(a.n_layers, a.n_kv_heads, a.head_dim, plan.sizes.full, self.target.dtype, self.target.device)
 
+    def own_caches(self, plan: Plan, retrieval: bool) -> tuple[KVCache, KVCache | None]:
+        """A batched request's own full cache and, where it drafts (`retrieval`), retrieval cache: never kept nor
+        pooled, as the requests of a batch hold theirs side by side (a batch holds no offloaded request)."""
+        a, dtype, device = self.target.args, self.target.dtype, self.target.device
+        full = KVCache(a.n_layers, a.n_kv_heads, a.head_dim, plan.sizes.full, dtype, device)
+        return full, KVCache(a.n_layers, a.n_kv_heads, a.head_dim, plan.sizes.retrieval, dtype, device) \
+            if retrieval else None
+
+    def own_streaming_cache(self, plan: Plan, model: Transformer) -> StreamingCache:
+        """A batched request's own StreamingLLM cache for level-1 `model` (never pooled)."""
+        a, cfg = model.args, plan.cfg
+        return StreamingCache(a.n_layers, a.n_kv_heads, a.head_dim, plan.sizes.streaming, cfg.sink_tokens,
+                              cfg.window_tokens, model.rotary, model.dtype, model.device)
+
     def prefilled(self, ids: list[int], cache: KVCache) -> Prefilled | None:
         """The kept record when `cache` already holds this prompt, else None (and nothing is kept any more: the
         caller is about to refill the cache)."""
@@ -269,8 +283,7 @@ class Memory:
         cache = self.pool.take(
             lambda c: kind(c) and tuple(c.k.shape) == shape and (c.sink, c.window) == (cfg.sink_tokens,
                                                                                       cfg.window_tokens),
-            lambda: StreamingCache(a.n_layers, a.n_kv_heads, a.head_dim, plan.sizes.streaming, cfg.sink_tokens,
-                                   cfg.window_tokens, model.rotary, model.dtype, model.device), kind)
+            lambda: self.own_streaming_cache(plan, model), kind)
         cache.reset()
         return cache
 

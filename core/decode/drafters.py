@@ -197,15 +197,15 @@ DRAFTERS: dict[str, Callable[[DraftContext], Drafter]] = {
 }
 
 
-def drafter_names(setting: str, method: str, has_draft_model: bool) -> list[str]:
+def drafter_names(setting: str, planned: bool, has_draft_model: bool) -> list[str]:
     """The level-1 drafters a run holds, the first one its default: the one a setting names ("none": no level 1).
-    Setting auto names the draft model when one is loaded, else prompt lookup; under method auto, prompt lookup as
-    well, for the planner to weigh beside the model."""
+    Setting auto names the draft model when one is loaded, else prompt lookup; where a planner chooses (method
+    auto), prompt lookup as well, for it to weigh beside the model."""
     if setting == "none":
         return []
     if setting != "auto":
         return [setting]
-    return ["model", "ngram"] if has_draft_model and method == "auto" else ["model" if has_draft_model else "ngram"]
+    return ["model", "ngram"] if has_draft_model and planned else ["model" if has_draft_model else "ngram"]
 
 
 def make_drafters(names: list[str], ctx: DraftContext) -> dict[str, Drafter]:

@@ -111,3 +111,46 @@ class Policy(Protocol):
     def choose(self) -> Hierarchy: ...
 
     def observe(self, record: RoundRecord) -> None: ...
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a batch's planner knows of one request when it chooses a round's draft lengths: whether a planner
+    chooses for it (method auto) or its settings fix its γ2 (method triforce; 0: ar), its γ2 (the bound a planner
+    keeps to, or the fixed one), whether its level 2 may draft (its retrieval cache leaves part of its prompt out),
+    level 3's verdicts on its drafts so far, its context's tokens and retrieval budget, and whether it is greedy."""
+
+    planned: bool
+    gamma2: int
+    level2: bool
+    verified: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    budget: int = 0
+    greedy: bool = True
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """What one batched round measured, handed to the batch's policy: level 3's rows and milliseconds, level 2
+    drafting alone (one row per request it drafts for, chained): for how many requests, its steps and milliseconds,
+    and level 3's verdict on each planned request's draft (drafted, accepted)."""
+
+    rows: int
+    level3_ms: float
+    drafting: int = 0
+    level2_steps: int = 0
+    level2_ms: float = 0.0
+    verdicts: tuple[tuple[int, int], ...] = ()
+
+
+class BatchPolicy(Protocol):
+    """Chooses each request's γ2 for a batched round and learns from each round's record."""
+
+    reason: str
+
+    def choose(self, asks: list[Ask]) -> list[int]: ...
+
+    def observe(self, record: BatchRecord) -> None: ...
+
+    def finish(self) -> None: ...

@@ -11,76 +11,45 @@ from typing import Generator, Iterator, Sequence, TypeVar
 
 import torch
 
-from core.cache.kvcache import KVCache
-from core.cache.retrieval import Retrieval
-from core.config import GenerationConfig
 from core.decode.ahead import Ahead, Draft, Overlap
 from core.decode.autoregressive import next_token
 from core.decode.drafters import Drafter
 from core.decode.graphs import Graphs, clock
-from core.decode.levels import Level, common_prefix
-from core.decode.output import Output
-from core.decode.repetition import Repetition
+from core.decode.request import RequestState
 from core.decode.round import Forwards, Hierarchy, Policy, RoundRecord
-from core.decode.sampling import distributions, draw, residual_distribution, speculative_verify
-from core.events import (Acceptance, DraftProposal, Event, Footprint, PlanChosen, RetrievalSelection, StepTiming,
-                         Verdict)
-from core.model import parallel
+from core.decode.sampling import distributions, draw
+from core.events import DraftProposal, Event, Footprint, PlanChosen, RetrievalSelection, StepTiming, Verdict
 
 T = TypeVar("T")
 
 SHADOW_GAMMA = 4  # tokens a drafter is asked for in passing: within the γs auto mostly takes (docs/method-auto.md, 14)
 
 
-def chains(cfg: GenerationConfig) -> bool:
-    """Whether level 2 drafting alone chains its forwards on the device (TriForce.draft_alone): not where repetition
-    control must see each drafted id on the host, nor where tensor-parallel ranks must agree on each draw."""
-    return not Repetition.applies(cfg) and parallel.ACTIVE is None
-
-
-def keep_level2_in_step(target: Level, level2: Level, retrieval: Retrieval, seq: list[int]) -> None:
-    """Drop level 2's rejected tokens and give every token the full cache holds since the last time the full cache's
-    keys and values: the ones level 2 drafted, and those of rounds it sat out."""
-    valid = common_prefix(target.tokens, seq, retrieval.synced, len(seq))
-    keep = common_prefix(level2.tokens, seq, retrieval.synced, valid)
-    level2.cache.truncate(keep)
-    del level2.tokens[keep:]
-    if valid > retrieval.synced:
-        level2.tokens.extend(seq[keep:valid])
-        retrieval.copy_from_full(valid)
-
-
 class TriForce:
-    """One generation: rounds until `out` says stop. The target level's full cache must hold prompt[:-1]; `queries`
-    are the ones its prefill recorded for the last prompt row (level 2's first selection); `drafters`: level 1's, by
-    name; `retrieval_cache`: where level 2's cache goes (core.cache.memory sizes it); `index_device`: where the chunk
-    index is kept (default: the model's device); `policy` chooses each round's hierarchy and learns from its
-    record."""
+    """One generation, a schedule of one request (core.decode.request) with a single run's extras: rounds until its
+    answer says stop. The request's full cache must hold prompt[:-1] and it must hold a level 2; `queries` are the
+    ones its prefill recorded for the last prompt row (level 2's first selection); `drafters`: level 1's, by name;
+    `policy` chooses each round's hierarchy and learns from its record."""
 
-    def __init__(self, target: Level, prompt: list[int], queries: list[torch.Tensor], drafters: dict[str, Drafter],
-                 cfg: GenerationConfig, generator: torch.Generator, out: Output, retrieval_cache: KVCache,
-                 policy: Policy, graphs: Graphs | None = None, index_device: torch.device | None = None):
-        self.target, self.prompt, self.queries, self.drafters = target, prompt, queries, drafters
-        self.cfg, self.generator, self.out, self.policy, self.graphs = cfg, generator, out, policy, graphs
-        model = target.model
-        self.retrieval = Retrieval(target.cache, cfg, retrieval_cache, model.ops, index_device)
-        self.level2 = Level(model, self.retrieval.cache, prompt[:-1], graphs, drafting=True)
-        self.repetition = Repetition(cfg, model.args.vocab_size, model.device, len(prompt))  # levels 2 and 3 alike
-        self.chains = chains(cfg)
-        self.overlap = Overlap(model.device)
-        self.counts = Acceptance()
-        self.plans: list[str] = []  # the policy's choices, in order
+    def __init__(self, request: RequestState, queries: list[torch.Tensor], drafters: dict[str, Drafter],
+                 policy: Policy, graphs: Graphs | None = None):
+        self.request, self.queries, self.drafters, self.policy, self.graphs = request, queries, drafters, policy, graphs
+        r = request
+        self.target, self.prompt, self.cfg, self.generator, self.out = r.target, r.prompt, r.cfg, r.generator, r.out
+        self.retrieval, self.level2, self.repetition, self.chains = r.retrieval, r.level2, r.repetition, r.chains
+        self.counts, self.plans = r.counts, r.plans
+        self.overlap = Overlap(r.target.model.device)
         self.pending: dict[str, tuple[list[int], int]] = {}  # shadow: a proposal in passing, and its tokens matched
         self.ahead_made = self.ahead_kept = 0  # next-round drafts level 2 made ahead, and those a round used
 
     def prepare(self) -> Iterator[Event]:
         """Before decoding: level 2's first selection, with the queries the prefill recorded for the last prompt
         row (part of filling the caches, as in the paper; a first use of new sizes may compile kernels)."""
-        yield self.retrieval.select(self.queries, -1, 0, self.target.cache.seq_len)
+        yield self.request.first_selection(self.queries)
 
     def run(self) -> Iterator[Event]:
         """The rounds: choose a hierarchy, draft, verify, accept, record."""
-        seq, feature, shown, ready, round_ = list(self.prompt), None, None, None, 0
+        seq, feature, shown, ready, round_ = self.request.seq, None, None, None, 0
         while not self.out.done:
             h = self.policy.choose()
             if h != shown and self.policy.reason:
@@ -96,9 +65,9 @@ class TriForce:
                           bonus=accepted == len(draft.tokens))
             if self.policy.in_passing:
                 record.in_passing = self.shadow(h, seq, emitted)
-            seq += emitted
             # level 3's correction or bonus token; nothing drafted, it is the autoregressive step's own
-            yield self.out.add(emitted, draft.provenance[:accepted] + ["level3" if draft.tokens else "target"], round_)
+            yield self.request.emit(emitted, draft.provenance[:accepted] + ["level3" if draft.tokens else "target"],
+                                    round_)
             if record.reselect and not self.out.done:
                 yield self.reselect(accepted, round_, len(seq) - 1, record)
             self.policy.observe(record)
@@ -114,7 +83,7 @@ class TriForce:
         than the answer still wants (the length depends on the emitted count alone, so verification stays exact)."""
         if h.level2:
             t0 = clock(self.graphs)
-            keep_level2_in_step(self.target, self.level2, self.retrieval, seq)
+            self.request.sync_level2()
             record.sync_ms = (clock(self.graphs) - t0) * 1e3
         if ready is not None and ready.plan == h:
             self.ahead_kept += 1
@@ -148,11 +117,9 @@ class TriForce:
                 made = self.draft_ahead(h, seq, draft, round_ + 1, after)
                 self.overlap.join(h3)
                 pass_ms, after_pass = self.overlap.level3_ms(), clock(self.graphs)  # waits for the pass
-            p3 = distributions(self.repetition(target.head(h3), seq, draft.tokens), cfg)
-            # level 2's guess joins the draft, checked against level 3's row after it (which would otherwise give
-            # the bonus token): it stands as often as level 3 accepts a draft
-            tokens, q = (draft.tokens + [made.guess], draft.q + [made.q]) if made else (draft.tokens, draft.q)
-            accepted, token = speculative_verify(tokens, torch.stack(q) if q else None, p3, self.generator)
+            # level 2's guess joins the draft: it stands as often as level 3 accepts a draft
+            accepted, token = self.request.level3_verdict(target.head(h3), draft.tokens, draft.q,
+                                                          (made.guess, made.q) if made else None)
             feature = h3[accepted]
         else:  # nothing to verify: the step method ar takes (the same draw: verifying no drafts samples p)
             accepted, (token, h3, _) = 0, next_token(target, seq, self.repetition, cfg, self.generator)
@@ -250,7 +217,7 @@ class TriForce:
         token, for a drafter that uses it."""
         if not level1 and self.chains:
             return (yield from self.draft_alone(seq, round_, want, prefix))[1]
-        cfg, level2, committed = self.cfg, self.level2, len(seq)
+        level2, committed = self.level2, len(seq)
         gamma1 = gamma1 if level1 else 0
         draft = Draft(feature=feature)
         while len(draft.tokens) < want:
@@ -261,9 +228,7 @@ class TriForce:
                 if asked else ([], None, [])
             t1 = clock(self.graphs)
             h2 = level2.states(seq, len(proposals) + 1, committed, before + proposals)
-            p2 = distributions(self.repetition(level2.head(h2), seq, before + proposals), cfg)
-            # The residual is explicit here: the reference code samples from p2 instead, which biases level 3's q.
-            accepted, token = speculative_verify(proposals, q1, p2, self.generator, residual=residual_distribution)
+            accepted, token, p2 = self.request.level2_check(level2.head(h2), before, proposals, q1)
             draft.level1_s += t1 - t0
             draft.forwards.append(Forwards(1, len(proposals) + 1, (clock(self.graphs) - t1) * 1e3))
             draft.asked += asked

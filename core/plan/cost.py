@@ -133,3 +133,16 @@ def best(options: Sequence[Hierarchy], f: Figures) -> tuple[Hierarchy, float] | 
     """The option with the highest expected rate, and that rate (None while no option's rate is known)."""
     rated = [(r, h) for h in options if (r := rate(h, f)) is not None]
     return max(rated, key=lambda x: x[0])[::-1] if rated else None
+
+
+def batch_rate(gammas: Sequence[int], alphas: Sequence[float], level3: Line, level2: Line | None) -> float | None:
+    """Expected tokens per millisecond of a batched round that drafts gammas[i] tokens for request i (0: its
+    autoregressive step), each accepted with probability alphas[i]: level 2 steps max γ_i times, each step one row
+    for every request still drafting; level 3 verifies Σ (γ_i + 1) rows in one step; request i emits E(α_i, γ_i).
+    A batch's steps read the weights once for all its requests, so level 2 may cost a fraction of level 3 where the
+    requests' full caches outweigh the weights, even for a small model. None while a cost it needs is unknown."""
+    if any(gammas) and level2 is None:
+        return None
+    ms = level3(sum(g + 1 for g in gammas)) + \
+        sum(level2(sum(g > j for g in gammas)) for j in range(max(gammas, default=0)))
+    return sum(expected_tokens(a, g) for a, g in zip(alphas, gammas)) / ms if ms > 0 else None

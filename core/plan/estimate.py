@@ -275,15 +275,17 @@ def kind_of(f: Forwards) -> str:
 
 class Regime(NamedTuple):
     """The kind of run a step cost belongs to: the full cache offloaded or not, the prompt's length (its power of
-    two), greedy or sampled (a sampled row pays for its distribution)."""
+    two; a batch's: all its requests' tokens), greedy or sampled (a sampled row pays for its distribution), and one
+    request or a batch (a batched step's rows belong to several requests, each over its own caches)."""
 
     offloaded: bool
     length: int
     greedy: bool
+    batched: bool = False
 
     @classmethod
-    def of(cls, offloaded: bool, prompt_tokens: int, greedy: bool) -> Regime:
-        return cls(offloaded, prompt_tokens.bit_length(), greedy)
+    def of(cls, offloaded: bool, prompt_tokens: int, greedy: bool, batched: bool = False) -> Regime:
+        return cls(offloaded, prompt_tokens.bit_length(), greedy, batched)
 
 
 class CostBook:
@@ -318,7 +320,7 @@ class CostBook:
 
         def alike(k: tuple) -> bool:
             return k != key and len(k) == len(key) and k[:at] + k[at + 1:] == key[:at] + key[at + 1:] and \
-                k[at].offloaded == mine.offloaded
+                (k[at].offloaded, k[at].batched) == (mine.offloaded, mine.batched)
 
         def distance(k: tuple) -> tuple:
             length, sampling = abs(k[at].length - mine.length), k[at].greedy != mine.greedy

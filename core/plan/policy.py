@@ -1,17 +1,18 @@
 """Who chooses each round's hierarchy: method triforce's fixed one (`Fixed`), or method auto's planner (`Auto`),
 which measures what it does not know, weighs every candidate with the cost model and switches only for a clear
-gain. Both learn every round's costs and acceptances into the run's Estimates, which the engine's CostBook keeps for
-the next run. The numbers in parentheses cite docs/method-auto.md, where each constant has its reason."""
+gain; in a batch, `BatchAuto` by the same rules. All learn every round's costs and acceptances into Estimates, which
+the engine's CostBook keeps for the next run. The numbers in parentheses cite docs/method-auto.md, where each constant has its reason."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from core.decode.round import AUTOREGRESSIVE, Hierarchy, RoundRecord
+from core.decode.round import AUTOREGRESSIVE, Ask, BatchRecord, Hierarchy, RoundRecord
 from core.model.parallel import agree
-from core.plan.cost import Figures, best, candidates, rate
-from core.plan.estimate import Estimates
+from core.plan.cost import GAMMAS, Figures, batch_rate, best, candidates, rate
+from core.plan.estimate import CostBook, Estimate, Estimates, Regime
 
 SWITCH_GAIN = 1.10  # another plan must be expected this much faster to replace the current one (1)
 MIN_ROUNDS = 4  # rounds a plan runs before it is weighed again (2) ...
@@ -187,3 +188,119 @@ class Auto:
             self.current, self.rounds = h, 0
         self.reason = reason
         return h
+
+
+@dataclass
+class BatchAuto:
+    """Method auto for a batch (docs/method-auto.md, 15): each round one γ2 for the requests it plans (each kept
+    within its own γ2 bound; a request whose level 2 would read its whole prompt never drafts), beside requests whose
+    settings fix theirs, priced by cost.batch_rate from the batch's own step costs: level 3 by the rows it verifies,
+    level 2 drafting alone by the requests it drafts for. By Auto's rules: it measures what neither this batch nor
+    the cost book knows (a round drafting one token, then an autoregressive step), weighs acceptances CAUTION
+    standard deviations low, takes a drafting plan only when SWITCH_GAIN times faster than autoregressive decoding,
+    replaces the current γ only for SWITCH_GAIN more, weighs again after MIN_ROUNDS rounds and switches at most
+    MAX_SWITCHES times. Its estimates live in `book` under the batched regime of the batch's context (one length
+    bucket of all its requests' tokens): every batch, of fixed γs too, teaches the next."""
+
+    book: CostBook
+    caution: float = CAUTION
+    gamma: int = 0
+    reason: str = ""
+    rounds: int = 0  # since the γ was last weighed
+    switches: int = 0
+    measuring: bool = False
+    key: tuple[Regime, int] | None = None  # the regime and budget of the estimates held
+    estimates: Estimates | None = None
+    prior: Estimate | None = None  # level 2's acceptance the regime started from (a request's own verdicts join it)
+
+    def choose(self, asks: list[Ask]) -> list[int]:
+        """Each request's γ2 this round (0: an autoregressive step)."""
+        drafting = [a for a in asks if a.level2]
+        key = (Regime.of(False, sum(a.tokens for a in asks), all(a.greedy for a in asks), batched=True),
+               max((a.budget for a in drafting), default=0))
+        if key != self.key:
+            self.finish()
+            self.key, self.estimates = key, self.book.estimates(*key)
+            self.prior = copy.copy(self.estimates.a2)
+        if any(a.planned and a.level2 and a.gamma2 for a in asks):
+            self.gamma = agree(self._choose(asks))[0]
+        return [(min(self.gamma, a.gamma2) if a.level2 else 0) if a.planned else a.gamma2 for a in asks]
+
+    def observe(self, record: BatchRecord) -> None:
+        self.rounds += 1
+        e = self.estimates
+        e.curves["level3"].add(record.rows, record.level3_ms)
+        if record.level2_steps:
+            e.curves["chained"].add(record.drafting, record.level2_ms / record.level2_steps)
+        for drafted, accepted in record.verdicts:  # the next batch's prior (a request's own verdicts: its Ask)
+            e.a2.add(drafted, accepted)
+
+    def finish(self) -> None:
+        """The batch emptied or changed its regime: what it measured goes into the cost book."""
+        if self.estimates is not None:
+            self.book.learn(*self.key, self.estimates)
+
+    def alpha(self, a: Ask) -> float:
+        """A request's acceptance as weighed: the batch regime's prior joined by its own verdicts, CAUTION low."""
+        return Estimate(self.prior.verified + a.verified, self.prior.accepted + a.accepted).lower(self.caution)
+
+    def rates(self, asks: list[Ask], gammas: list[int]) -> dict[int, float]:
+        """Tokens per millisecond of the batch with its planned requests at each γ of `gammas` (those priced)."""
+        e = self.estimates
+        level3, level2 = e.line("level3"), e.line("chained")
+        alphas = [self.alpha(a) for a in asks]
+        out = {}
+        for g in gammas:
+            each = [(min(g, a.gamma2) if a.level2 else 0) if a.planned else a.gamma2 for a in asks]
+            if (r := batch_rate(each, alphas, level3, level2)) is not None:
+                out[g] = r
+        return out
+
+    def _choose(self, asks: list[Ask]) -> int:
+        e = self.estimates
+        level3, level2 = e.line("level3"), e.line("chained")
+        if level3 is None or level2 is None:
+            return self._set(1, "measuring what each level of the batch costs")
+        plain = sum(1 if a.planned else a.gamma2 + 1 for a in asks)  # level 3's rows with the planned ones plain
+        if plain not in e.curves["level3"].samples and not level3.spans_rows:
+            return self._set(0, "measuring an autoregressive step of the batch")
+        fresh = self.measuring or not self.reason
+        if not fresh and self.rounds < MIN_ROUNDS:
+            return self.gamma
+        most = max(a.gamma2 for a in asks if a.planned and a.level2)
+        rates = self.rates(asks, [0, *(g for g in GAMMAS if g < most), most])
+        ar = rates[0]
+        pick = max(rates, key=rates.get)
+        if (pick and rates[pick] < SWITCH_GAIN * ar) or (not fresh and self.switches >= MAX_SWITCHES):
+            pick = 0
+        now = rates.get(self.gamma)
+        self.rounds = 0
+        if fresh or now is None or (pick != self.gamma and (rates[pick] > SWITCH_GAIN * now or now < ar)):
+            return self._set(pick, self.explain(asks, pick, rates))
+        return self.gamma
+
+    def explain(self, asks: list[Ask], gamma: int, rates: dict[int, float]) -> str:
+        """One line on why `gamma`: its expected speed over autoregressive decoding, what a level-2 step costs
+        against a full step of as many requests, and the acceptance weighed."""
+        e, n = self.estimates, len(asks)
+        whom = "this request" if n == 1 else f"these {n} requests"
+        level3, level2 = e.line("level3"), e.line("chained")
+        drafting = sum(1 for a in asks if a.level2 and (a.gamma2 if not a.planned else max(gamma, 1)))
+        step = f"a level-2 step costs {level2(drafting) / level3(n):.0%} of a full one" if drafting else ""
+        alpha = sum(self.alpha(a) for a in asks) / n
+        best_drafting = max((g for g in rates if g), key=rates.get, default=None)
+        if gamma:
+            lead = f"expected {rates[gamma] / rates[0]:.2f}× autoregressive for {whom}"
+        elif best_drafting is not None:
+            lead = f"drafting would not pay for {whom}: the best draft length, γ2 {best_drafting}, is expected at " \
+                   f"{rates[best_drafting] / rates[0]:.2f}× autoregressive"
+        else:
+            lead = f"nothing to draft for {whom}"
+        return "; ".join(p for p in (lead, step, f"acceptance L2 {alpha:.2f}") if p)
+
+    def _set(self, gamma: int, reason: str) -> int:
+        measuring = reason.startswith("measuring")
+        if gamma != self.gamma and not self.measuring and not measuring and self.reason:
+            self.switches += 1
+        self.gamma, self.reason, self.measuring, self.rounds = gamma, reason, measuring, 0
+        return gamma
