@@ -451,11 +451,24 @@ def figures(stem: str, data: dict) -> Iterator[str]:
                                                                          "attention_recall"))]
             for r in data["summary"]))
     elif stem == "simulate" and "regimes" in data:
+        single = {name: r for name, r in data["regimes"].items() if "second_answer" in r}
+        batched = {name: r for name, r in data["regimes"].items() if "second_batch" in r}
         yield from grid(["regime", "auto / AR", "auto / best fixed", "new / old planner", "after another answer: "
                          "auto / AR", "auto / best fixed", "new / old", "best fixed plan"], (
             [name, *(f for s in (r, r["second_answer"]) for f in (
-                f"{s['auto_over_ar']:.2f}×", f"{s['auto_over_best_fixed']:.2f}", f"{s['new_over_old']:.3f}")),
-             r["best_fixed"]] for name, r in data["regimes"].items()))
+                f"{s['auto_over_ar']:.2f}×", f"{s['auto_over_best_fixed']:.2f}", cell(s.get("new_over_old")))),
+             r["best_fixed"]] for name, r in single.items()))
+        if batched:
+            yield ""
+            yield ("Batched regimes (the batch's method auto against batched AR and the best fixed γ2; random "
+                   "weights, which accept every draft, also at a real model's acceptance):")
+            yield ""
+            yield from grid(["batched regime", "requests", "acceptance", "auto / AR", "auto / best fixed",
+                             "next batch: auto / AR", "auto / best fixed", "best fixed γ2"], (
+                [name, str(r["requests"]), f"{r['alpha']:.2f}",
+                 *(f for s in (r, r["second_batch"]) for f in (f"{s['auto_over_ar']:.2f}×",
+                                                                f"{s['auto_over_best_fixed']:.2f}")),
+                 f"{r['best_fixed']} ({r['best_fixed_over_ar']:.2f}×)"] for name, r in batched.items()))
         yield ""
         yield ("What each profile assumes where no benchmark recorded a figure is listed under `assumed` in the "
                "file.")

@@ -9,9 +9,15 @@ each step took (its recorded cost with noise: lognormal jitter and, now and then
 round's record, as the engine does. Per regime and seed: a warm-up run of method triforce and an autoregressive run
 fill the cost book (as the engine's warm-up and a Compare click do), then method auto runs. Reported per regime, means
 over seeds: auto over autoregressive decoding, auto over the best fixed plan in hindsight (the fastest of the
-candidates the cost model ranks highest, each simulated with the same seeds), and the new planner (core.plan) over
-the one it replaced (bench/legacy_planner.py, kept only for this comparison). Writes bench/results/simulate.json
-with summary.simulate.{regime}.{auto_over_ar, auto_over_best_fixed, new_over_old}.
+candidates the cost model ranks highest, each simulated with the same seeds), and auto over the planner it replaced
+(new_over_old: that planner's rates on the same profiles and seeds, recorded in bench/results/legacy-planner.json
+before its code went).
+
+Batched regimes (each setting whose rounds bench.batch recorded) run the batch's policy (core.plan.policy.BatchAuto)
+round by round the same way: each request's drafts stand with the regime's acceptance, each step costs what was
+recorded for its rows. Reported: auto over batched AR and over the best fixed γ2, on a first batch and a next one.
+Writes bench/results/simulate.json with summary.simulate.{regime}.{auto_over_ar, auto_over_best_fixed[,
+new_over_old]}.
 
 What a profile takes from a result file is read from it; what no benchmark recorded is an assumption named in the
 profile's `assumed` list (shown in the output)."""
@@ -25,11 +31,12 @@ import random
 import statistics
 from dataclasses import dataclass, field, replace
 
-from bench import legacy_planner as old
 from bench.common import RESULTS, environment, save
 from core.config import AUTO_GAMMA2
 from core.decode import AUTOREGRESSIVE, SHADOW_GAMMA, Draft, Forwards, Hierarchy, RoundRecord
+from core.decode.round import Ask, BatchRecord
 from core.plan import Auto, CostBook, Drafter, Figures, Fixed, Line, Regime, candidates, rate
+from core.plan.policy import BatchAuto
 
 GAMMA1 = 2  # GenerationConfig's default γ1: auto's longest level-1 draft per level-2 check
 SIGMA = 0.05  # lognormal jitter of a measured step (a few % between two runs of one plan on the H200)
@@ -197,36 +204,10 @@ def profiles() -> list[Profile]:
     return real_profiles() + random_profiles() + cpu_profile() + app_profile()
 
 
-class OldPolicy:
-    """The planner core.plan replaced (bench/legacy_planner.py), behind the Policy interface: each record handed to
-    it as the old round loop did, call by call."""
-
-    def __init__(self, planner: old.Planner):
-        self.planner, self.in_passing = planner, planner.fixed is None
-
-    @property
-    def reason(self) -> str:
-        return self.planner.reason
-
-    def choose(self) -> Hierarchy:
-        h = self.planner.choose()
-        return Hierarchy(h.level1, h.level2, h.gamma1, h.gamma2, h.ahead)
-
-    def observe(self, r: RoundRecord) -> None:
-        p = self.planner
-        for by, asked, proposed, kept in r.level1_checks:
-            p.level1_checked(r.plan.level1, by, asked, proposed, kept)
-        if r.plan.level2:
-            p.level2_checked(r.drafted, r.accepted)
-        if r.guess is not None:
-            p.guessed(r.guess)
-        for name, (checks, ms) in r.in_passing.items():
-            p.shadowed(name, checks, ms)
-        own = [f for f in r.level2 if not f.beside]
-        beside = [f for f in r.level2 if f.beside]
-        p.observe(r.plan.level1, r.level1_asked, r.level1_ms + r.level1_beside_ms, sum(f.count for f in own),
-                  sum(f.ms for f in own), r.rows, r.level3_ms, r.overhead_ms, sum(f.count for f in beside),
-                  sum(f.ms for f in beside), r.post_ms)
+def jittered(rng: random.Random, ms: float) -> float:
+    """A measured step: its cost, jittered, now and then stalled."""
+    x = ms * rng.lognormvariate(0.0, SIGMA)
+    return x * STALL_FACTOR if rng.random() < STALL else x
 
 
 class Simulator:
@@ -242,9 +223,7 @@ class Simulator:
         self.seen: set[tuple] = set()
 
     def cost(self, ms: float) -> float:
-        """A measured step: its cost, jittered, now and then stalled."""
-        x = ms * self.rng.lognormvariate(0.0, SIGMA)
-        return x * STALL_FACTOR if self.rng.random() < STALL else x
+        return jittered(self.rng, ms)
 
     def accepted(self, alpha: float, n: int, level: int, at: int) -> int:
         """Drafts that stand of `n` proposed at answer position `at`, each with probability `alpha`."""
@@ -353,23 +332,16 @@ def luckier(prof: Profile) -> Profile:
 
 
 class Book:
-    """One planner's cost book through the warm-up and the Compare click: the new one (core.plan) or the old."""
+    """The planner's cost book through the warm-up and the Compare click."""
 
-    def __init__(self, prof: Profile, legacy: bool):
-        self.prof, self.legacy = prof, legacy
-        self.book = old.CostBook() if legacy else CostBook()
+    def __init__(self, prof: Profile):
+        self.prof = prof
+        self.book = CostBook()
 
     def policy(self, plan: Hierarchy | None, prompt_tokens: int):
         """Method auto (`plan` None) or a fixed plan, starting from the book; its estimates are learnt after."""
         prof, drafters = self.prof, list(self.prof.drafters)
         passing = [n for n, d in prof.drafters.items() if d.in_passing]
-        if self.legacy:
-            e = self.book.estimates(prof.streamed, prompt_tokens, prof.greedy, 4096, drafters, passing)
-            fixed = old.Hierarchy(plan.level1, plan.level2, plan.gamma1, plan.gamma2, plan.ahead) if plan else None
-            planner = old.Planner(e, drafters, GAMMA1, AUTO_GAMMA2, prof.streamed, True, prof.ahead,
-                                  prof.chained is not None, fixed=fixed)
-            self.learn = lambda: self.book.learn(prof.streamed, prompt_tokens, prof.greedy, 4096, e)
-            return OldPolicy(planner)
         regime = Regime.of(prof.streamed, prompt_tokens, prof.greedy)
         e = self.book.estimates(regime, 4096, drafters, passing)
         self.learn = lambda: self.book.learn(regime, 4096, e)
@@ -412,10 +384,12 @@ def simulate(prof: Profile, seeds: int, tokens: int, fixed: bool = True) -> dict
         top = max(rates, key=rates.get)
         best_rate = rates[top]
     out = {"seeds": seeds, "tokens": tokens, "ar_ms_per_token": 1.0 / ar, "assumed": prof.assumed}
+    old = legacy().get(prof.name, {})
     for second in (False, True):
-        new = statistics.mean(Book(prof, legacy=False).auto_run(seed, tokens, second) for seed in range(seeds))
-        old_ = statistics.mean(Book(prof, legacy=True).auto_run(seed, tokens, second) for seed in range(seeds))
-        figures = {"auto_over_ar": new / ar, "new_over_old": new / old_, "old_over_ar": old_ / ar}
+        new = statistics.mean(Book(prof).auto_run(seed, tokens, second) for seed in range(seeds))
+        figures = {"auto_over_ar": new / ar}
+        if (old_over_ar := old.get("second_answer" if second else "first_answer")) is not None:
+            figures |= {"new_over_old": new / ar / old_over_ar, "old_over_ar": old_over_ar}
         if fixed:
             figures |= {"auto_over_best_fixed": new / best_rate, "best_fixed": top, "best_fixed_over_ar": best_rate / ar}
         if second:
@@ -423,6 +397,11 @@ def simulate(prof: Profile, seeds: int, tokens: int, fixed: bool = True) -> dict
         else:
             out |= figures
     return out
+
+
+def legacy() -> dict[str, dict[str, float]]:
+    """The replaced planner's rate over autoregressive decoding by regime (first and second answer), as recorded."""
+    return json.loads((RESULTS / "legacy-planner.json").read_text())["old_over_ar"]
 
 
 def fixed_rate(prof: Profile, h: Hierarchy, seeds: int, tokens: int) -> float:
@@ -434,6 +413,132 @@ def fixed_rate(prof: Profile, h: Hierarchy, seeds: int, tokens: int) -> float:
 def book_free():
     """Estimates for a fixed plan that learns nothing kept (the comparison runs)."""
     return CostBook().estimates(Regime(False, 1, False), 4096)
+
+
+# Batched regimes: a batch's rounds under core.plan.policy.BatchAuto, from the rounds bench.batch recorded
+
+
+BATCH_GAMMAS = (1, 2, 3, 4, 6, 8, 12, 16)  # the fixed γ2s a batch is compared with (method triforce, drafter none)
+REAL_ALPHA = 0.91  # level 3's acceptance of level 2 on the real Qwen2.5-Coder-1.5B at 8 × 30K (H100, greedy)
+
+
+@dataclass
+class BatchProfile:
+    """One batched regime's truth: `requests` decoding together, level 3's milliseconds by the rows it verifies
+    (between recorded sizes linear, beyond them on along the last segment), a level-2 step's for the requests it
+    drafts for (recorded at all of them; fewer assumed to cost the same: a bound), level 3's acceptance of level 2."""
+
+    name: str
+    requests: int
+    prompt_tokens: int
+    level3: dict[int, float]
+    level2: float
+    alpha: float
+    greedy: bool
+    assumed: list[str] = field(default_factory=list)
+
+    def step3(self, rows: int) -> float:
+        (a, ma), (b, mb) = sorted(self.level3.items())[:2]
+        return ma + (mb - ma) * (rows - a) / (b - a)
+
+
+def batch_profiles() -> list[BatchProfile]:
+    """Each batched setting whose rounds bench.batch recorded (level 3 at the autoregressive and the fixed-γ2 rounds,
+    level 2 per step), greedy and sampled; random weights (which accept every draft) also at a real model's
+    acceptance, REAL_ALPHA."""
+    out = []
+    for file in sorted(RESULTS.glob("batch-*.json")):
+        for name, v in json.loads(file.read_text())["results"].items():
+            runs, n = v["runs"], v["requests"]
+            for sampled in (False, True):
+                ar, tf = runs.get("ar_sampled" if sampled else "ar"), runs.get("triforce_sampled" if sampled else
+                                                                                "triforce")
+                tf = tf or runs.get("triforce")  # a sampled fixed run not recorded: the greedy one's costs
+                if not ar or not tf or not ar.get("level3_ms") or not tf.get("level2_step_ms"):
+                    continue
+                gamma2 = v["settings"].get("gamma2") or 6
+                assumed = ["a level-2 step for fewer requests costs what it did for all of them"]
+                if tf is runs.get("triforce") and sampled:
+                    assumed.append("the sampled fixed run's costs are the greedy one's")
+                alpha = tf["level2_acceptance"]
+                label = f"batch_{name.replace('-', '_')}_{'sampled' if sampled else 'greedy'}"
+                base = BatchProfile(label, n, v["prompt_tokens"], {n: ar["level3_ms"], n * (gamma2 + 1):
+                                                                    tf["level3_ms"]}, tf["level2_step_ms"],
+                                    min(alpha, 0.995), not sampled, assumed)
+                out.append(base)
+                if alpha > 0.99:  # random weights: also at what a real model accepts
+                    out.append(replace(base, name=f"{label}_at_{REAL_ALPHA}", alpha=REAL_ALPHA,
+                                       assumed=[*assumed, f"acceptance {REAL_ALPHA} (the real pair's; random "
+                                                          f"weights accepted {alpha:.2f})"]))
+    return out
+
+
+class BatchSimulator:
+    """Rounds of one batched profile under a batch policy, one seed's draws: whether a draft stands is drawn per
+    request and answer position (common random numbers), each step's cost jittered and now and then stalled."""
+
+    def __init__(self, prof: BatchProfile, seed: int):
+        self.prof, self.rng = prof, random.Random(seed)
+        draws = random.Random(seed + 1_000_003)
+        self.u = [[draws.random() for _ in range(1024)] for _ in range(prof.requests)]
+
+    def run(self, policy: BatchAuto, tokens: int, fixed: int | None) -> float:
+        """Every request answering `tokens` tokens, planned (`fixed` None: method auto) or at γ2 `fixed` (0: ar):
+        the batch's tokens per millisecond."""
+        p, done, ms, seen = self.prof, [0] * self.prof.requests, 0.0, [(0, 0)] * self.prof.requests
+        while (live := [i for i in range(p.requests) if done[i] < tokens]):
+            asks = [Ask(fixed is None, AUTO_GAMMA2 if fixed is None else fixed, True, *seen[i],
+                        p.prompt_tokens + done[i], 4096, p.greedy) for i in live]
+            gammas = [min(g, tokens - done[i] - 1) for g, i in zip(policy.choose(asks), live)]
+            level2 = sum(jittered(self.rng, p.level2) for j in range(max(gammas)))
+            rows = sum(g + 1 for g in gammas)
+            level3 = jittered(self.rng, p.step3(rows))
+            verdicts = []
+            for g, i in zip(gammas, live):
+                k = 0
+                while k < g and self.u[i][(done[i] + k) % 1024] < p.alpha:
+                    k += 1
+                done[i] += k + 1
+                if g:
+                    seen[i] = (seen[i][0] + k + (k < g), seen[i][1] + k)
+                    verdicts.append((g, k))
+            policy.observe(BatchRecord(rows, level3, sum(1 for g in gammas if g), max(gammas), level2,
+                                       tuple(verdicts)))
+            ms += level2 + level3
+        return sum(done) / ms
+
+
+def simulate_batch(prof: BatchProfile, seeds: int, tokens: int) -> dict:
+    """A batched regime's figures over `seeds` seeds: method auto over batched AR and over the best fixed γ2 in
+    hindsight, on a first batch after the engine's warm-up and on a next one."""
+    def mean(plan: int) -> float:
+        return statistics.mean(BatchSimulator(prof, s).run(BatchAuto(CostBook()), tokens, plan) for s in range(seeds))
+
+    def auto(seed: int, before: int | None) -> float:
+        """Method auto's batch after the engine's warm-up batches (Engine.warm_up: a fixed γ2 and an autoregressive
+        one on its short text, whose steps cost SHORT_COST of these) and, with `before`, a batch of
+        method auto first (`before` tokens each)."""
+        book, short = CostBook(), replace(prof, level3={r: SHORT_COST * ms for r, ms in prof.level3.items()},
+                                           level2=SHORT_COST * prof.level2, prompt_tokens=SHORT_TOKENS)
+        for plan in (6, 0):
+            warm = BatchAuto(book)
+            BatchSimulator(short, seed).run(warm, WARM_TOKENS, plan)
+            warm.finish()
+        if before:
+            earlier = BatchAuto(book)
+            BatchSimulator(prof, seed + 7919).run(earlier, before, None)
+            earlier.finish()
+        return BatchSimulator(prof, seed).run(BatchAuto(book), tokens, None)
+
+    ar = mean(0)
+    fixed = {g: mean(g) for g in BATCH_GAMMAS}
+    top = max(fixed, key=fixed.get)
+    first = statistics.mean(auto(s, None) for s in range(seeds))
+    second = statistics.mean(auto(s, tokens) for s in range(seeds))
+    return {"seeds": seeds, "tokens": tokens, "requests": prof.requests, "alpha": prof.alpha,
+            "ar_tokens_per_ms": ar, "auto_over_ar": first / ar, "auto_over_best_fixed": first / fixed[top],
+            "best_fixed": f"γ2 {top}", "best_fixed_over_ar": fixed[top] / ar, "assumed": prof.assumed,
+            "second_batch": {"auto_over_ar": second / ar, "auto_over_best_fixed": second / fixed[top]}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -449,10 +554,18 @@ def main(argv: list[str] | None = None) -> None:
         results[prof.name] = r = simulate(prof, args.seeds, args.tokens)
         s = r["second_answer"]
         print(f"{prof.name:26s} auto/AR {r['auto_over_ar']:.3f}  auto/best fixed {r['auto_over_best_fixed']:.3f}  "
-              f"new/old {r['new_over_old']:.3f}  | after another answer: {s['auto_over_ar']:.3f} "
-              f"{s['auto_over_best_fixed']:.3f} {s['new_over_old']:.3f}  (best fixed: {r['best_fixed']}, "
-              f"{r['best_fixed_over_ar']:.2f}x)", flush=True)
-    summary = {name: {k: r[k] for k in ("auto_over_ar", "auto_over_best_fixed", "new_over_old")}
+              f"new/old {r.get('new_over_old', float('nan')):.3f}  | after another answer: {s['auto_over_ar']:.3f} "
+              f"{s['auto_over_best_fixed']:.3f} {s.get('new_over_old', float('nan')):.3f}  (best fixed: "
+              f"{r['best_fixed']}, {r['best_fixed_over_ar']:.2f}x)", flush=True)
+    for prof in batch_profiles():
+        if args.only and prof.name not in args.only:
+            continue
+        results[prof.name] = r = simulate_batch(prof, args.seeds, args.tokens)
+        s = r["second_batch"]
+        print(f"{prof.name:26s} auto/AR {r['auto_over_ar']:.3f}  auto/best fixed {r['auto_over_best_fixed']:.3f}  "
+              f"| a next batch: {s['auto_over_ar']:.3f} {s['auto_over_best_fixed']:.3f}  (best fixed: "
+              f"{r['best_fixed']}, {r['best_fixed_over_ar']:.2f}x)", flush=True)
+    summary = {name: {k: r[k] for k in ("auto_over_ar", "auto_over_best_fixed", "new_over_old") if k in r}
                for name, r in results.items()}
     print(save("simulate", {**environment(), "regimes": results, "summary": {"simulate": summary}}))
 

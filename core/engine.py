@@ -6,7 +6,7 @@ import gc
 import platform
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Protocol
 
 import torch
@@ -194,10 +194,10 @@ class Engine:
         return default_prefill_chunk(self.target, self.memory.limit)
 
     def warm_up(self, new_tokens: int = 128) -> list[Stats]:
-        """Run AR, greedy and sampled TriForce and method auto once on a short sample text, so that the kernels a GPU
-        compiles on first use (Triton, cuBLAS) are ready before a first request, and method auto's cost book holds
-        every level's cost (a first request then starts from them, as a second would); its caches are released
-        after. The greedy TriForce run drafts the most method auto may (AUTO_GAMMA2), so its first verification
+        """Run AR, greedy and sampled TriForce and method auto once on a short sample text, then two batches of two
+        requests, so that the kernels a GPU compiles on first use (Triton, cuBLAS) are ready before a first request,
+        and method auto's cost book holds every level's cost, alone and batched (a first request then starts from
+        them, as a second would); its caches are released after. The greedy TriForce run drafts the most method auto may (AUTO_GAMMA2), so its first verification
         fills the largest decode step, whose GEMV block the shorter steps never compile. On a GPU, greedy and sampled
         TriForce also run with the full cache offloaded, the regime of a prompt beyond the GPU's memory."""
         document, question = warm_up_text()
@@ -209,6 +209,13 @@ class Engine:
                          {"method": "triforce"}, {"method": "auto"}, *offloaded):
             cfg = self.settings(**{"max_new_tokens": new_tokens, "overflow": "truncate", **settings})  # preset's budget
             stats += [e.stats for e in self.generate(document, question, cfg) if isinstance(e, Finished)]
+        # a batch of two, drafting at the paper's γ2 and then not at all: the batched steps' kernels, and the cost
+        # book's batched regime, which a first batch of visitors then starts from
+        for settings in ({"method": "triforce", "drafter": "none", "gamma2": 6}, {"method": "ar"}):
+            cfg = self.settings(**{"max_new_tokens": new_tokens, "overflow": "truncate", **settings})
+            requests = [Request(f"warm-up {seed}", document, question, config=replace(cfg, seed=seed))
+                        for seed in range(2)]
+            stats += [t.event.stats for t in self.generate_many(requests, 2) if isinstance(t.event, Finished)]
         self.release()
         return stats
 

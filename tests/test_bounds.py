@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+import core.decode.request
 import core.decode.triforce
 from core.config import GenerationConfig
 from core.engine import Engine
@@ -120,12 +121,12 @@ def test_a_set_stop_ends_a_prefill_forward_between_two_layers():
 def test_level2_drafts_no_more_than_the_answer_wants(monkeypatch, drafter):
     levels = []
 
-    class Counted(core.decode.triforce.Level):  # level 2, remembered to count its forwards
+    class Counted(core.decode.request.Level):  # level 2, remembered to count its forwards
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             levels.append(self)
 
-    monkeypatch.setattr(core.decode.triforce, "Level", Counted)
+    monkeypatch.setattr(core.decode.request, "Level", Counted)
     engine = tiny_engine()
     for max_new in (1, 2, 5):
         levels.clear()
@@ -139,13 +140,16 @@ def test_level2_drafts_no_more_than_the_answer_wants(monkeypatch, drafter):
 def test_warm_up_runs_each_path_and_keeps_no_prompt_cache(embedded):
     """Engine.warm_up (the app runs it before serving on a GPU) goes through AR, greedy and sampled TriForce and
     method auto on a real prompt, one verification as long as a decode step gets (the largest GEMV block compiles
-    then, not in a request), then gives back its caches, so a first request starts clean -- and from the costs the
-    warm-up measured: a first auto run on a longer document spends no round on measuring them."""
+    then, not in a request), then two batches of two (drafting, then not), then gives back its caches, so a first
+    request starts clean -- and from the costs the warm-up measured: a first auto run on a longer document spends no
+    round on measuring them, and a first batch starts from the batched regime's."""
     stats = embedded.warm_up(new_tokens=4)
     assert [(s.method, s.settings["greedy"]) for s in stats] == [("ar", True), ("triforce", True), ("triforce", False),
-                                                                 ("auto", False)]
+                                                                 ("auto", False), *[("triforce", False)] * 2,
+                                                                 *[("ar", False)] * 2]
     assert all(s.new_tokens > 0 and 500 < s.prompt_tokens < 1024 for s in stats)
     assert stats[2].level2_proposed > 0
+    assert any(regime.batched for kind, regime, *_ in embedded.costs.steps if kind == "level3")
     assert any(DECODE_TOKENS in samples for (kind, *_), samples in embedded.costs.steps.items()
                if kind == "level3")  # level-3 steps measured, by rows
     assert not embedded.memory.caches()

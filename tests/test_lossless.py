@@ -8,6 +8,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 import core.plan.policy
+import core.decode.request
 import core.decode.triforce
 from core.config import GenerationConfig
 from core.events import Verdict
@@ -29,7 +30,7 @@ def test_hierarchy_is_lossless_and_detects_level2_bias(monkeypatch, one_thread):
     p_ok = chi_square_p(counts, expected, DRAWS)
     assert p_ok > 1e-3, f"exact sampler rejected (p={p_ok:.2e}, {elapsed:.0f}s)"
 
-    monkeypatch.setattr(core.decode.triforce, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(core.decode.request, "residual_distribution", lambda p, q: p)
     with torch.no_grad():
         biased, _ = emitted_pairs(engine, prompt, BIASED_DRAWS)
     p_biased = chi_square_p(biased, expected, BIASED_DRAWS)

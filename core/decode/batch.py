@@ -235,8 +235,8 @@ class Batch:
 
     def verify(self, slots: list[Slot]) -> tuple[int, tuple[tuple[int, int], ...]]:
         """Level 3 checks every slot's draft in one forward (an autoregressive slot: its next token); each slot's
-        verdict, tokens and reselection. Returns the rows fed and each planned request's verdict (drafted,
-        accepted)."""
+        verdict, tokens and reselection. Returns the rows fed and level 3's verdict on each drafting request's draft
+        (drafted, accepted)."""
         reselect = [s.request.retrieval is not None and s.gamma and s.request.retrieval.policy.due(s.rounds)
                     for s in slots]
         news = [s.request.target.pending(s.request.seq, len(s.draft) + 1, len(s.request.seq), s.draft)
@@ -254,7 +254,7 @@ class Batch:
             accepted, token = r.level3_verdict(logits[first:a], s.draft, s.q)
             if r.drafts:  # every round of a drafting method has level 3's verdict, one that drafted nothing too
                 r.counts.count(2, len(s.draft), accepted)
-                if r.cfg.kind.planned and s.draft:
+                if s.draft and s.level2_cuts:  # (level 2 on the whole prompt says nothing of retrieval)
                     verdicts.append((len(s.draft), accepted))
                 s.events.append(Verdict(level=3, round=s.rounds, proposed=s.draft, accepted=accepted, token=token,
                                         bonus=accepted == len(s.draft)))

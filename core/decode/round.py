@@ -134,7 +134,7 @@ class Ask:
 class BatchRecord:
     """What one batched round measured, handed to the batch's policy: level 3's rows and milliseconds, level 2
     drafting alone (one row per request it drafts for, chained): for how many requests, its steps and milliseconds,
-    and level 3's verdict on each planned request's draft (drafted, accepted)."""
+    and level 3's verdict on each request's draft (drafted, accepted)."""
 
     rows: int
     level3_ms: float

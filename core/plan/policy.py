@@ -192,7 +192,7 @@ class Auto:
 
 @dataclass
 class BatchAuto:
-    """Method auto for a batch (docs/method-auto.md, 15): each round one γ2 for the requests it plans (each kept
+    """Method auto for a batch (docs/method-auto.md, "A batch"): each round one γ2 for the requests it plans (each kept
     within its own γ2 bound; a request whose level 2 would read its whole prompt never drafts), beside requests whose
     settings fix theirs, priced by cost.batch_rate from the batch's own step costs: level 3 by the rows it verifies,
     level 2 drafting alone by the requests it drafts for. By Auto's rules: it measures what neither this batch nor
