@@ -122,7 +122,8 @@ ABOUT = {
                       "the engine's warm-up and a Compare click's autoregressive run (and, after another answer, "
                       "from what an answer whose drafts matched more saw): method auto over "
                       "autoregressive decoding, over the best fixed plan in hindsight, and over the planner it "
-                      "replaced (see [method-auto.md](method-auto.md#the-simulator-python--m-benchsimulate))."),
+                      "replaced; then each batched setting bench.batch recorded, under the batch's method auto (see "
+                      "[method-auto.md](method-auto.md#the-simulator-python--m-benchsimulate))."),
     "batch-NVIDIA-H200": About("Several requests decoded together (H200)", "B requests of L prompt tokens in one "
                                "batch, on the GPU's memory: random weights at the Llama-2-7B shape at the paper's "
                                "Table 4 settings (*random*), and at the real Qwen2.5-Coder-1.5B's shape "
@@ -456,7 +457,8 @@ def figures(stem: str, data: dict) -> Iterator[str]:
         yield from grid(["regime", "auto / AR", "auto / best fixed", "new / old planner", "after another answer: "
                          "auto / AR", "auto / best fixed", "new / old", "best fixed plan"], (
             [name, *(f for s in (r, r["second_answer"]) for f in (
-                f"{s['auto_over_ar']:.2f}×", f"{s['auto_over_best_fixed']:.2f}", cell(s.get("new_over_old")))),
+                f"{s['auto_over_ar']:.2f}×", f"{s['auto_over_best_fixed']:.2f}",
+                f"{s['new_over_old']:.3f}" if "new_over_old" in s else "—")),
              r["best_fixed"]] for name, r in single.items()))
         if batched:
             yield ""

@@ -10,7 +10,7 @@ round's record, as the engine does. Per regime and seed: a warm-up run of method
 fill the cost book (as the engine's warm-up and a Compare click do), then method auto runs. Reported per regime, means
 over seeds: auto over autoregressive decoding, auto over the best fixed plan in hindsight (the fastest of the
 candidates the cost model ranks highest, each simulated with the same seeds), and auto over the planner it replaced
-(new_over_old: that planner's rates on the same profiles and seeds, recorded in bench/results/legacy-planner.json
+(new_over_old: that planner's rates on the same profiles and seeds, recorded in bench/legacy-planner.json
 before its code went).
 
 Batched regimes (each setting whose rounds bench.batch recorded) run the batch's policy (core.plan.policy.BatchAuto)
@@ -401,7 +401,7 @@ def simulate(prof: Profile, seeds: int, tokens: int, fixed: bool = True) -> dict
 
 def legacy() -> dict[str, dict[str, float]]:
     """The replaced planner's rate over autoregressive decoding by regime (first and second answer), as recorded."""
-    return json.loads((RESULTS / "legacy-planner.json").read_text())["old_over_ar"]
+    return json.loads((RESULTS.parent / "legacy-planner.json").read_text())["old_over_ar"]
 
 
 def fixed_rate(prof: Profile, h: Hierarchy, seeds: int, tokens: int) -> float:
@@ -548,22 +548,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", nargs="*", help="regimes to simulate (default: all)")
     args = p.parse_args(argv)
     results = {}
-    for prof in profiles():
+    regimes = [(prof, simulate, "second_answer", "after another answer") for prof in profiles()] + \
+        [(prof, simulate_batch, "second_batch", "a next batch") for prof in batch_profiles()]
+    for prof, run, again, then in regimes:
         if args.only and prof.name not in args.only:
             continue
-        results[prof.name] = r = simulate(prof, args.seeds, args.tokens)
-        s = r["second_answer"]
+        results[prof.name] = r = run(prof, args.seeds, args.tokens)
+        s = r[again]
         print(f"{prof.name:26s} auto/AR {r['auto_over_ar']:.3f}  auto/best fixed {r['auto_over_best_fixed']:.3f}  "
-              f"new/old {r.get('new_over_old', float('nan')):.3f}  | after another answer: {s['auto_over_ar']:.3f} "
+              f"new/old {r.get('new_over_old', float('nan')):.3f}  | {then}: {s['auto_over_ar']:.3f} "
               f"{s['auto_over_best_fixed']:.3f} {s.get('new_over_old', float('nan')):.3f}  (best fixed: "
-              f"{r['best_fixed']}, {r['best_fixed_over_ar']:.2f}x)", flush=True)
-    for prof in batch_profiles():
-        if args.only and prof.name not in args.only:
-            continue
-        results[prof.name] = r = simulate_batch(prof, args.seeds, args.tokens)
-        s = r["second_batch"]
-        print(f"{prof.name:26s} auto/AR {r['auto_over_ar']:.3f}  auto/best fixed {r['auto_over_best_fixed']:.3f}  "
-              f"| a next batch: {s['auto_over_ar']:.3f} {s['auto_over_best_fixed']:.3f}  (best fixed: "
               f"{r['best_fixed']}, {r['best_fixed_over_ar']:.2f}x)", flush=True)
     summary = {name: {k: r[k] for k in ("auto_over_ar", "auto_over_best_fixed", "new_over_old") if k in r}
                for name, r in results.items()}
