@@ -23,7 +23,8 @@ from core.decode.levels import Level, Stopped
 from core.model.transformer import Transformer
 from core.cache.offload import OffloadedKVCache
 from core.model.ops import DECODE_TOKENS, TORCH, TorchOps, TritonOps, ops_for, rotate
-from core.cache.retrieval import ChunkIndex, gather_selection, retrieval_cache, select_chunks
+from core.cache.memory import retrieval_cache
+from core.cache.retrieval import ChunkIndex, gather_selection, select_chunks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a CUDA GPU")
 

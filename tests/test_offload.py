@@ -14,7 +14,8 @@ from core.decode.levels import Level
 from core.cache import offload
 from core.cache.offload import OffloadedKVCache
 from core.cache.memory import GiB, Memory
-from core.cache.retrieval import ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache, select_chunks
+from core.cache.memory import retrieval_cache
+from core.cache.retrieval import ChunkIndex, chunks_to_keep, gather_selection, select_chunks
 from tests.stats import chi_square_p
 from tests.lossless import DEVICE, emitted_pairs, target_pairs, tiny_engine
 from tests.tiny import DigitTokenizer, tiny_config, tiny_pair

@@ -6,7 +6,8 @@ import torch
 
 from core.config import GenerationConfig
 from core.cache.kvcache import KVCache
-from core.cache.retrieval import (LEVEL2_CACHES, ChunkIndex, chunks_to_keep, gather_selection, retrieval_cache,
+from core.cache.memory import retrieval_cache
+from core.cache.retrieval import (LEVEL2_CACHES, ChunkIndex, chunks_to_keep, gather_selection,
                                   select_chunks)
 
 LAYERS, HQ, HKV, D = 3, 6, 2, 8

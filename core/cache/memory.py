@@ -21,7 +21,7 @@ from core.config import GenerationConfig, TriForceError
 from core.cache.kvcache import KVCache, StreamingCache
 from core.model.transformer import Transformer
 from core.cache.offload import OffloadedKVCache
-from core.cache.retrieval import chunks_to_keep
+from core.cache.retrieval import ChunkIndex, chunks_to_keep
 
 GiB = 2**30
 T = TypeVar("T")
@@ -308,6 +308,14 @@ class Memory:
         """Give back every kept cache (the caller then frees the device memory they held)."""
         self.kept = None
         self.pool = CachePool()
+
+
+def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int) -> KVCache:
+    """A new retrieval cache with exactly the room for the chunks `budget` buys of this prompt (+ tail) and `extra`
+    later tokens (a run's own comes from Memory, sized to serve later prompts too): for measuring a step by itself."""
+    head = chunks_to_keep(index.num_chunks, budget, index.chunk_size) * index.chunk_size + index.tail
+    n_layers, n_kv, _, d = full.k.shape
+    return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.device, head=head, start=index.length)
 
 
 def _listing(parts: dict[str, int]) -> str:

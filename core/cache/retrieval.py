@@ -123,14 +123,6 @@ def gather_selection(full: KVCache, index: ChunkIndex, chunk_ids: torch.Tensor, 
         into.v[i, :, n:n + index.tail] = v[:, tail]
 
 
-def retrieval_cache(full: KVCache, index: ChunkIndex, budget: int, extra: int) -> KVCache:
-    """A new retrieval cache with exactly the room for the chunks `budget` buys of this prompt (+ tail) and `extra`
-    later tokens (a run's own comes from core.cache.memory, sized to serve later prompts too)."""
-    head = chunks_to_keep(index.num_chunks, budget, index.chunk_size) * index.chunk_size + index.tail
-    n_layers, n_kv, _, d = full.k.shape
-    return KVCache(n_layers, n_kv, d, head + extra, full.k.dtype, full.device, head=head, start=index.length)
-
-
 class SelectionPolicy(Protocol):
     """When level 2's chunks are chosen again from the latest level-3 queries."""
 
