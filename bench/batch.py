@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from bench.common import (DOCS, LLAMA2_7B, QWEN25_15B, earlier_today, environment, random_model,
+from bench.common import (DOCS, LLAMA2_7B, QWEN25_15B, copy_bandwidth, earlier_today, environment, random_model,
                           result_path, save, tokenizer_of)
+from core.cache.memory import kv_bytes_per_token
 from core import Engine, GenerationConfig
 from core.batching import Request
 from core.events import Finished, PrefillProgress, StepTiming, Tokens
@@ -106,8 +107,20 @@ RUNS = {"ar": {"method": "ar", "greedy": True}, "triforce": {"method": "triforce
 DEFAULT_RUNS = ["ar", "triforce", "auto", "ar_sampled", "auto_sampled"]
 
 
+def rooflines(engine: Engine, count: int, length: int, budget: int, bandwidth: float | None) -> dict:
+    """What a batch's steps must read at the least, over the device's copy bandwidth (measured in the same run): an
+    autoregressive step the weights once and every request's full cache, a level-2 step the weights once and every
+    request's retrieval cache; None on a CPU."""
+    if bandwidth is None:
+        return {}
+    weights, token = engine.target.step_weight_bytes(), kv_bytes_per_token(engine.target)
+    return {"copy_bandwidth_tb_s": bandwidth / 1e12,
+            "ar_roofline_ms": (weights + count * length * token) / bandwidth * 1e3,
+            "level2_roofline_ms": (weights + count * min(budget, length) * token) / bandwidth * 1e3}
+
+
 def setting_run(engine: Engine, tok, name: str, new_tokens: int, check: int, fixed: dict | None = None,
-                labels: list[str] = DEFAULT_RUNS) -> dict:
+                labels: list[str] = DEFAULT_RUNS, bandwidth: float | None = None) -> dict:
     """AR, TriForce and auto batched on one setting, greedy and sampled; `check` requests' greedy answers compared
     with their single-request ones."""
     count, length = SETTINGS[name]
@@ -132,7 +145,13 @@ def setting_run(engine: Engine, tok, name: str, new_tokens: int, check: int, fix
     ratios = {f"speedup_{label}": speed[label] / speed["ar_sampled" if label.endswith("sampled") else "ar"]
               for label in speed if not label.startswith("ar") and
               ("ar_sampled" if label.endswith("sampled") else "ar") in speed}
-    out = {"setting": name, "requests": count, "prompt_tokens": length, "runs": runs, **ratios,
+    roof = rooflines(engine, count, length, engine.settings(**(fixed or {})).resolved(False).budget, bandwidth)
+    if roof and runs.get("ar", {}).get("level3_ms"):
+        roof["ar_over_roofline"] = runs["ar"]["level3_ms"] / roof["ar_roofline_ms"]
+    drafting = [r["level2_step_ms"] for r in runs.values() if r.get("level2_step_ms") and r["greedy"]]
+    if roof and drafting:
+        roof["level2_over_roofline"] = min(drafting) / roof["level2_roofline_ms"]
+    out = {"setting": name, "requests": count, "prompt_tokens": length, "runs": runs, **ratios, **roof,
            "greedy_identical": identical, "settings": fixed or {},
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if engine.target.device.type == "cuda" else None}
     for r in runs.values():
@@ -175,6 +194,7 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=sorted(RUNS))
     args = p.parse_args()
     results, summary = {}, {}
+    bandwidth = copy_bandwidth() if torch.cuda.is_available() else None
     for part in args.parts:
         if part == "cpu":
             engine = Engine.load(None, "none")
@@ -194,10 +214,13 @@ def main() -> None:
         for name in settings:
             fixed = {k: v for k, v in (("budget", args.budget), ("gamma2", args.gamma2)) if v}
             r = results[f"{part}_{name}"] = setting_run(engine, tok, name, args.new_tokens, args.check, fixed,
-                                                        args.runs)
+                                                        args.runs, bandwidth)
             key = {"cpu": "cpu_embedded_", "real": "real_", **{k: v[0] for k, v in SHAPES.items()}}[part] + name
             if part != "cpu" or name == "4x4k":
                 summary[key.replace("4x4k", "4")] = r.get("speedup_auto")
+            if part == "real":
+                summary[f"{key}_sampled"] = r.get("speedup_auto_sampled")
+                summary[f"real_batch_ar_over_roofline_{name}"] = r.get("ar_over_roofline")
         del engine
         gc.collect()
         if torch.cuda.is_available():

@@ -131,6 +131,12 @@ ABOUT = {
                                "token); tokens per second over all requests once every one has joined, each method "
                                "beside batched autoregressive decoding of the same requests (see "
                                "[batching.md](batching.md))."),
+    "batch-NVIDIA-H100-80GB-HBM3": About("Several requests decoded together, real weights (H100)", "The real "
+                                         "Qwen2.5-Coder-1.5B (bf16, from its GGUF) on the bundled documents, 4 × 16K "
+                                         "and 8 × 30K tokens, on the GPU's memory: each method beside batched "
+                                         "autoregressive decoding, greedy and sampled (T 0.6, top-p 0.9), with each "
+                                         "step's memory roofline (what it must read over the copy bandwidth measured "
+                                         "in the same run)."),
     "batch-cpu": About("Several requests decoded together (CPU)", "The embedded model, 1 to 4 requests of ~4K "
                        "tokens."),
     "cpu-steps": About("What a step costs on this CPU, piece by piece", "The embedded model at ~8K tokens: a "
@@ -482,6 +488,17 @@ def figures(stem: str, data: dict) -> Iterator[str]:
              share(r["level2_acceptance"]), cell(r.get("level3_ms")), cell(r.get("level2_step_ms")),
              cell(all(base["greedy_identical"])) if r["greedy"] and r["method"] != "ar" else ""]
             for name, base in data["results"].items() for r in base["runs"].values()))
+        roofs = {name: base for name, base in data["results"].items() if base.get("ar_over_roofline")}
+        if roofs:
+            yield ""
+            yield from grid(["setting", "AR step ms (greedy)", "its roofline ms", "ratio", "level-2 step ms",
+                             "its roofline ms", "ratio", "copy bandwidth"], (
+                [name.replace("_", " "), f"{b['runs']['ar']['level3_ms']:.2f}", f"{b['ar_roofline_ms']:.2f}",
+                 f"{b['ar_over_roofline']:.2f}×", *([f"{b['level2_over_roofline'] * b['level2_roofline_ms']:.2f}",
+                                                      f"{b['level2_roofline_ms']:.2f}",
+                                                      f"{b['level2_over_roofline']:.2f}×"]
+                                                     if b.get("level2_over_roofline") else ["—"] * 3),
+                 f"{b['copy_bandwidth_tb_s']:.2f} TB/s"] for name, b in roofs.items()))
     elif stem == "served-stop":
         yield "Seconds from Stop until a short run then finished: " + ", ".join(
             f"{x:.1f}" for x in data["seconds_until_next_run_finished"]) + "."

@@ -269,6 +269,8 @@ class BatchAuto:
             return self.gamma
         most = max(a.gamma2 for a in asks if a.planned and a.level2)
         rates = self.rates(asks, [0, *(g for g in GAMMAS if g < most), most])
+        if 0 not in rates:  # the line from the sizes measured prices the plain step at nothing: measure it
+            return self._set(0, "measuring an autoregressive step of the batch")
         ar = rates[0]
         pick = max(rates, key=rates.get)
         if (pick and rates[pick] < SWITCH_GAIN * ar) or (not fresh and self.switches >= MAX_SWITCHES):
