@@ -15,7 +15,6 @@ from typing import NoReturn
 import transformers
 
 from core.decode.compare import difference_note
-from core.batching import Request
 from core.config import SEATS, GenerationConfig, TriForceError, brief, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
@@ -25,6 +24,7 @@ from core.io.loading import device_and_dtype, load_config
 from core.model.transformer import ModelArgs
 from core.model.parallel import TensorParallel, capacity, check_split, joined, launch
 from core.io.presets import PRESETS, Preset, by_id, installable, preset_config, resolve_preset
+from core.cli.batchfile import check_slots, read_batch
 from core.cli.progress import ANSI_COLOURS, LEGEND, Progress
 from core.io.prompting import MAX_DOCUMENT_CHARS, check_text
 
@@ -155,43 +155,6 @@ def _summary(f: Finished) -> dict:
     return {"text": f.text, "prompt_ids": f.prompt_ids, "token_ids": f.token_ids, "stats": f.stats.to_dict()}
 
 
-def read_batch(path: Path, preset: Preset | None, typed: dict) -> list[Request]:
-    """The requests of a --batch file: one JSON object a line (blank lines skipped), each with an "id", a "doc" file
-    (relative to the batch file) or "document" text, a "prompt" and any settings by name over the flags typed and the
-    preset's; a bad line is refused in one line naming it."""
-    known = set(settings())
-    requests = []
-    for number, line in enumerate(read_document(str(path)).splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path.name} line {number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TriForceError(f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(item, dict):
-            raise TriForceError(f"{where}: not a JSON object")
-        unknown = set(item) - known - {"id", "doc", "document", "prompt"}
-        if unknown:
-            raise TriForceError(f"{where}: unknown field {brief(sorted(unknown)[0])}")
-        if ("doc" in item) == ("document" in item):
-            raise TriForceError(f"{where}: give either \"doc\" (a file) or \"document\" (text)")
-        document = read_document(str(path.parent / item["doc"])) if "doc" in item else item["document"]
-        prompt = item.get("prompt")
-        if not isinstance(document, str) or not isinstance(prompt, str):
-            raise TriForceError(f"{where}: \"document\" and \"prompt\" must be text")
-        check_text("document", document)
-        check_text("question", prompt)
-        try:
-            cfg = preset_config(preset, **{**typed, **{k: v for k, v in item.items() if k in known}}).validate()
-        except TypeError as e:
-            raise TriForceError(f"{where}: {e}") from None
-        requests.append(Request(str(item.get("id", number)), document, prompt, config=cfg))
-    if not requests:
-        raise TriForceError(f"{path.name}: no requests")
-    return requests
-
-
 def read_document(path: str) -> str:
     """The text of a document file (or of stdin for "-"), read as far as an allowed document can reach: UTF-8 takes
     at most 4 bytes a character; newlines are translated as in text mode."""
@@ -269,6 +232,7 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
     if batch is not None:
         if tp is not None:
             raise TriForceError("--batch runs in one process: drop --tp")
+        check_slots(args.slots)
         requests = read_batch(batch, preset, typed)  # every line checked before the models load
         progress = Progress(args.target, quiet=args.quiet)
         engine = Engine.load(args.target, args.draft, args.device, args.dtype, progress=progress.loading,
