@@ -19,7 +19,6 @@ from core.io.prompting import MAX_DOCUMENT_CHARS, check_text
 MAX_BATCH_REQUESTS = 1_000  # a batch file is one run's work; more lines than this is a mistake or a flood
 MAX_BATCH_CHARS = 8 * MAX_DOCUMENT_CHARS  # documents and prompts in all: a few full-size documents, held at once
 MAX_BATCH_FILE_BYTES = 2 * MAX_BATCH_CHARS  # the file itself, read before its lines: room for JSON's quoting
-OVER_TOTAL = f"the batch's documents and prompts pass {MAX_BATCH_CHARS:,} characters in all; split the file"
 FIELDS = ("id", "doc", "document", "prompt")  # a line's own fields; the others are settings
 
 
@@ -35,7 +34,7 @@ class Reader:
         """Count `chars` more characters; refuse past MAX_BATCH_CHARS."""
         self.chars += chars
         if self.chars > MAX_BATCH_CHARS:
-            raise TriForceError(OVER_TOTAL)
+            raise over_total()
 
     def document(self, name: Any) -> str:
         """The text of the "doc" file `name` (relative to the batch file): a regular, readable UTF-8 file, read at
@@ -62,7 +61,7 @@ class Reader:
                 raise TriForceError(f"\"doc\" {brief(name)}: cannot read it ({e.strerror})") from None
         if len(data) > 4 * left:  # more bytes than `left` characters can take: more characters than that
             if left < MAX_DOCUMENT_CHARS:  # the batch's characters ran out before the document's
-                raise TriForceError(OVER_TOTAL)
+                raise over_total()
             raise TriForceError(f"\"doc\" {brief(name)} has more than {MAX_DOCUMENT_CHARS:,} characters, the "
                                 "limit of a document")
         try:
@@ -76,6 +75,12 @@ class Reader:
         self.count(len(text))
         self.files[key] = text = text.replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
         return text
+
+
+def over_total() -> TriForceError:
+    """The refusal of a batch whose documents and prompts pass MAX_BATCH_CHARS."""
+    return TriForceError(f"the batch's documents and prompts pass {MAX_BATCH_CHARS:,} characters in all; split the "
+                         "file")
 
 
 def _no_constant(name: str) -> Any:
