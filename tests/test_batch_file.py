@@ -143,3 +143,9 @@ def test_the_cli_refuses_deep_nesting_and_slots_in_one_line_without_loading_a_mo
         r = subprocess.run([sys.executable, "-m", "core", "generate", "--batch", str(path), *flags],
                            capture_output=True, text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL)
         assert (r.returncode, r.stdout, r.stderr) == (2, "", message + "\n")
+
+
+def test_the_example_batch_file_in_the_repository_is_read_whole() -> None:
+    requests = read_batch(ROOT / "examples" / "batch.jsonl", None, {})
+    assert [r.key for r in requests] == ["garden-meeting", "garden-rabbits", "ferry-last", "inline"]
+    assert requests[0].document is requests[1].document and "rabbits" in requests[0].document

@@ -239,7 +239,7 @@ def test_a_full_queue_refuses_in_one_line_with_the_wait(url: str, monkeypatch) -
 
     monkeypatch.setattr(service, "WAITING_JOBS", 1)
     monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "3")
-    first, second, third = client(url), client(url), client(url)
+    first, second, third = (client(url, f"10.0.1.{i}") for i in (1, 2, 3))  # three visitors, three addresses
     long = first.submit(**run_kwargs(**LONG), api_name="/triforce")
     running(long)
     waiting = second.submit(**run_kwargs(), api_name="/triforce")

@@ -74,7 +74,10 @@ def parser() -> argparse.ArgumentParser:
         if name == "generate":
             s.add_argument("--batch", type=Path, metavar="FILE.jsonl", help="decode several requests together, one "
                            'JSON object a line: {"id", "doc" (a file, relative to FILE) or "document" (text), '
-                           '"prompt", any setting by name}; prints one JSON line per answer as it finishes')
+                           '"prompt", any setting by name} (see examples/batch.jsonl); prints each answer as it '
+                           "finishes: its id, text and figures (--json: one JSON line each)")
+            s.add_argument("--ids", action="store_true", help="with --batch --json: each answer's prompt and token "
+                           "ids too")
             s.add_argument("--slots", type=int, default=SEATS, help=f"requests decoded at once with --batch "
                            f"(default {SEATS}; the rest wait in line)")
         add_settings(s)
@@ -149,6 +152,15 @@ def _stats_line(s: Stats) -> str:
     if s.plans:
         line += f"; plans: {' then '.join(s.plans)}"
     return line
+
+
+def _batch_answer(key: str, f: Finished, as_json: bool, ids: bool) -> str:
+    """One finished request of a batch as printed: a heading with its id, its text and figures; or one JSON line
+    (`as_json`), with its prompt and token ids only when `ids`."""
+    if as_json:
+        summary = _summary(f) if ids else {"text": f.text, "stats": f.stats.to_dict()}
+        return json.dumps({"id": key, **summary})
+    return f"=== {key} ===\n{f.text.strip()}\n[{_stats_line(f.stats)}]\n"
 
 
 def _summary(f: Finished) -> dict:
@@ -239,9 +251,16 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
                              gpu_memory_gib=args.gpu_memory_gib)
         if applied:
             progress.say(applied)
+        progress.say(f"{len(requests)} requests, at most {args.slots} decoded at once: each says how its prefill "
+                     "and decoding go")
+        runs = {r.key: Progress(args.target, progress.stream, args.quiet).run(r.key, count_tokens=False)
+                for r in requests}
         for tagged in engine.generate_many(requests, args.slots):
+            runs[tagged.key].event(tagged.event)
             if isinstance(tagged.event, Finished):
-                print(json.dumps({"id": tagged.key, **_summary(tagged.event)}), flush=True)
+                runs[tagged.key].say(f"{tagged.key}: finished ({len(requests) - len(runs) + 1} of {len(requests)})")
+                print(_batch_answer(tagged.key, tagged.event, args.json, args.ids), flush=True)
+                del runs[tagged.key]
         return 0
     # compare: autoregressive decoding against the method asked for (auto unless triforce)
     methods = [{}] if args.command == "generate" else \
