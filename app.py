@@ -69,7 +69,9 @@ if __name__ == "__main__":
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (core/__init__.py says why)
+from core.process import configure  # noqa: E402  (light: importing core loads nothing)
+
+configure()  # OpenMP's wait policy and the switch interval, before torch loads (core/process.py says why)
 try:  # ZeroGPU needs `spaces` imported before torch (imported below through the engine)
     import spaces  # noqa: F401
 except ImportError:

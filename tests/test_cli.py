@@ -3,6 +3,7 @@ taken unless a flag is given, progress on stderr."""
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -157,3 +158,18 @@ def test_a_batch_answer_in_json_leaves_the_ids_out_unless_asked() -> None:
     assert json.loads(_batch_answer("dog", finished, as_json=True, ids=True))["token_ids"] == [5, 6]
     assert _batch_answer("dog", finished, as_json=False, ids=False).startswith("=== dog ===\nOn the log.\n[ar: 2 "
                                                                                "tokens, 10.00 tok/s")
+
+
+def test_importing_core_sets_nothing_in_the_process_and_loads_no_torch():
+    """The process settings are the entry points' (core.process.configure, before torch loads): a program that
+    imports core, or a light module of it, keeps its own."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = ("import os, sys; import core, core.io.text, core.config; "
+             "print(os.environ.get('OMP_WAIT_POLICY'), sys.getswitchinterval(), 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env,
+                       cwd=Path(__file__).parent.parent)
+    assert r.stdout.split() == ["None", "0.005", "False"], r.stderr
+    r = subprocess.run([sys.executable, "-c", "from core import Engine, events; print(Engine.__name__, "
+                        "events.Finished.__name__)"], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=Path(__file__).parent.parent)
+    assert r.stdout.split() == ["Engine", "Finished"], r.stderr

@@ -15,7 +15,7 @@ from typing import NoReturn
 import transformers
 
 from core.decode.compare import difference_note
-from core.config import SEATS, GenerationConfig, TriForceError, brief, settings, type_hints, value_types
+from core.config import SEATS, GenerationConfig, TriForceError, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
 from core.io.inputs import STDIN, gpu_memory_gib, note_gpu_only, process_group, read_capped
