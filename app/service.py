@@ -1,17 +1,17 @@
 """Fair service: one visitor cannot hold the others back.
 
 Generation jobs share one device. Off a ZeroGPU Space they decode together in one batch of `seats`
-(app.inference.BATCHED: core.serving.BatchServer): every admitted job's handler runs at once, reading its own
-request's stream, and the jobs past the seats wait in the batch's line, first come first served, each told its
-place. On ZeroGPU there is no batch: one job at a time through Gradio's queue (one seat). Either way the admitted
-jobs are at most VISITOR_JOBS per visitor (Gradio's session), running or waiting, at most a share of the places
-(seats and waiting) per address (address_jobs: a client chooses its session, not its address), and WAITING_JOBS
-waiting beyond the seats; a job past any bound is refused at once, in one line that says why and how long the wait is, and an
-admitted job that has to wait is told its place and the wait. A job's generation stops after a bound of time with a
-seat (run_seconds; waiting in line does not count), its answer so far kept. With one job per visitor and a bounded
-run, a flood from one session holds at most one seat, and one from many sessions of one address at most its share,
-so another visitor waits at most for seats to turn over. The address is the client's as uvicorn gives it: behind a
-proxy the forwarded one only where FORWARDED_ALLOW_IPS trusts the proxy (as for uploads).
+(app.inference.BATCHED: core.serving.BatchServer): every admitted job's handler runs at once, reading its own request's
+stream, and the jobs past the seats wait in the batch's line, first come first served, each told its place. On ZeroGPU
+there is no batch: one job at a time through Gradio's queue (one seat). Either way the admitted jobs are at most
+VISITOR_JOBS per visitor (Gradio's session), running or waiting, at most a share of the places (seats and waiting) per
+address (address_jobs: a client chooses its session, not its address), and WAITING_JOBS waiting beyond the seats; a job
+past any bound is refused at once, in one line that says why and how long the wait is, and an admitted job that has to
+wait is told its place and the wait. A job's generation stops after a bound of time with a seat (run_seconds; waiting in
+line does not count), its answer so far kept. With one job per visitor and a bounded run, a flood from one session holds
+at most one seat, and one from many sessions of one address at most its share, so another visitor waits at most for
+seats to turn over. The address is the client's as uvicorn gives it: behind a proxy the forwarded one only where
+FORWARDED_ALLOW_IPS trusts the proxy (as for uploads).
 
 Uploads: the bytes one address may upload in a window are bounded before Gradio reads them (UploadBudget), and the
 files a session used are deleted when it ends (or when it has uploaded UPLOADS_KEPT newer ones)."""
@@ -231,11 +231,11 @@ def admission(now: Line, new: Job) -> str | None:
     """Why the job `new` is refused (one line, with the wait), or None when it is admitted."""
     who = new.visitor
     if now.held_by(who) >= VISITOR_JOBS:
-        ahead = [job.visitor for job in now.jobs].index(who) - now.seats  # waiting before it; below 0: it has a seat
+        position = [job.visitor for job in now.jobs].index(who)
+        ahead = position - now.seats  # jobs waiting before it; below 0: it has a seat
         if ahead < 0 and any(job.visitor == who for job in now.running):
-            ends = span(max(now.bound - now.elapsed, 0)) if now.seats == 1 else f"{span(now.bound)} of its start"
-            return (f"Your earlier run is still going (one run at a time per visitor); it ends within {ends}. Wait "
-                    f"for it, or press Stop and run again.")
+            return (f"Your earlier run is still going (one run at a time per visitor); it ends {now.ends(position)}. "
+                    f"Wait for it, or press Stop and run again.")
         return (f"Your earlier run is still waiting (one run at a time per visitor): it starts in "
                 f"{now.wait(max(ahead, 0))}. Wait for it, or press Stop and run again.")
     if (held := now.from_address(new.address)) >= (most := address_jobs(now.seats)):

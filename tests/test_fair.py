@@ -30,25 +30,31 @@ HANG_S = 600  # only against a hang: a job that never reaches the state waited f
 # ---------------------------------------------------------------- the queue's arithmetic
 
 
+def job(visitor: str, address: str | None = None) -> Job:
+    """A job of `visitor`, from `address` or else from an address of its own."""
+    return Job(visitor, address or f"address of {visitor}")
+
+
 def jobs(visitors: str, address: str | None = None) -> list[Job]:
-    """A job for each visitor named by a letter, from `address` or else from an address of its own."""
-    return [Job(v, address or f"address of {v}") for v in visitors]
+    """A job for each visitor named by a letter, from `address` or else from an address of their own."""
+    return [job(v, address) for v in visitors]
 
 
 def test_a_visitor_holding_a_job_is_refused_another_with_the_wait() -> None:
     running = Line(running=jobs("a"), waiting=jobs("bc"), elapsed=30.0, typical=40.0, bound=180.0)
-    assert admission(running, Job("a", "address of a")).startswith("Your earlier run is still going (one run at a time per visitor); "
-                                              "it ends within 3 min.")
-    assert admission(running, Job("c", "address of c")) == ("Your earlier run is still waiting (one run at a time per visitor): it starts "
-                                       "in about 50 s, at most 6 min. Wait for it, or press Stop and run again.")
-    assert admission(running, Job("d", "address of d")) is None
+    assert admission(running, job("a")).startswith("Your earlier run is still going (one run at a time per "
+                                                   "visitor); it ends within 3 min.")
+    assert admission(running, job("c")) == ("Your earlier run is still waiting (one run at a time per visitor): it "
+                                            "starts in about 50 s, at most 6 min. Wait for it, or press Stop and run "
+                                            "again.")
+    assert admission(running, job("d")) is None
 
 
 def test_a_full_queue_refuses_everyone_with_when_a_place_frees(monkeypatch) -> None:
     monkeypatch.setattr(service, "WAITING_JOBS", 2)
     full = Line(running=jobs("a"), waiting=jobs("bc"), elapsed=100.0, typical=None, bound=180.0)
-    assert admission(full, Job("d", "address of d")) == ("The queue is full (2 runs waiting for the one device): a place frees in at "
-                                    "most 80 s. Try again then.")
+    assert admission(full, job("d")) == ("The queue is full (2 runs waiting for the one device): a place frees in "
+                                         "at most 80 s. Try again then.")
 
 
 def test_one_address_holds_at_most_its_share_of_the_places_whatever_its_sessions() -> None:
@@ -58,13 +64,13 @@ def test_one_address_holds_at_most_its_share_of_the_places_whatever_its_sessions
     assert most == (8 + service.WAITING_JOBS) // service.ADDRESS_SHARE and service.address_jobs(1) >= 1
     now = Line(running=jobs("abcdefgh"[:most], "10.0.0.1") + jobs("xy"), waiting=[], elapsed=0.0, typical=None,
                bound=180.0, seats=8)
-    assert admission(now, Job("z", "10.0.0.1")) == (
+    assert admission(now, job("z", "10.0.0.1")) == (
         f"Too many runs from your address ({most} running or waiting; at most {most} per address, so that every "
         "visitor gets a seat): the first of them ends within 3 min of its start. Try again then.")
-    assert admission(now, Job("z", "10.0.0.2")) is None
+    assert admission(now, job("z", "10.0.0.2")) is None
     alone = Line(running=jobs("a", "10.0.0.1"), waiting=jobs("bcd", "10.0.0.1"), elapsed=60.0, typical=None,
                  bound=180.0, seats=1)
-    assert admission(alone, Job("e", "10.0.0.1")).endswith("the first of them ends within 2 min. Try again then.")
+    assert admission(alone, job("e", "10.0.0.1")).endswith("the first of them ends within 2 min. Try again then.")
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "1e9"])

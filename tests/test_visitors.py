@@ -15,14 +15,14 @@ import pytest
 
 from app import callbacks, inference, service
 from app.presets import EMBEDDED, preset_by_name
-from app.service import Deadline, Job, Line, admission
+from app.service import Deadline, Line, admission
 from app.state import RunState
 from core import GenerationConfig
 from core.events import Finished
 from core.serving import BatchServer
 from tests.served import served
 from tests.test_app import run_stats
-from tests.test_fair import jobs
+from tests.test_fair import job, jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt").read_text(encoding="utf-8")[:600]
@@ -37,14 +37,15 @@ LONG = {"max_new_tokens": 4000, "greedy": False, "temperature": 2.0}  # ends at 
 def test_the_line_with_several_seats_admits_until_the_seats_and_the_waiting_are_full(monkeypatch) -> None:
     monkeypatch.setattr(service, "WAITING_JOBS", 2)
     seated = Line(running=jobs("abcd"), waiting=[], elapsed=0.0, typical=None, bound=180.0, seats=4)
-    assert admission(seated, Job("e", "address of e")) is None  # beyond the seats: it waits in the batch's line
-    assert admission(seated, Job("a", "address of a")).startswith("Your earlier run is still going (one run at a time per visitor); it "
-                                             "ends within 3 min of its start.")
+    assert admission(seated, job("e")) is None  # beyond the seats: it waits in the batch's line
+    assert admission(seated, job("a")).startswith("Your earlier run is still going (one run at a time per "
+                                                  "visitor); it ends within 3 min of its start.")
     full = Line(running=jobs("abcdef"), waiting=[], elapsed=0.0, typical=60.0, bound=180.0, seats=4)
-    assert admission(full, Job("f", "address of f")) == ("Your earlier run is still waiting (one run at a time per visitor): it starts "
-                                    "in about 60 s, at most 3 min. Wait for it, or press Stop and run again.")
-    assert admission(full, Job("g", "address of g")) == ("The queue is full (2 runs waiting for a seat in the batch): a place frees in "
-                                    "about 60 s, at most 3 min. Try again then.")
+    assert admission(full, job("f")) == ("Your earlier run is still waiting (one run at a time per visitor): it "
+                                         "starts in about 60 s, at most 3 min. Wait for it, or press Stop and run "
+                                         "again.")
+    assert admission(full, job("g")) == ("The queue is full (2 runs waiting for a seat in the batch): a place frees "
+                                         "in about 60 s, at most 3 min. Try again then.")
     assert full.wait(4) == "about 2 min, at most 6 min"  # the fifth in line waits for the seats to turn over twice
     assert service.concurrent_jobs(8, batched=True) == 8 + service.WAITING_JOBS
     assert service.concurrent_jobs(8, batched=False) == 1
