@@ -91,14 +91,16 @@ def test_a_bad_line_is_refused_in_one_line_naming_it_before_a_model_loads(folder
     assert refused(path, capfd, monkeypatch).startswith(f"error: requests.jsonl line 3: {message}")
 
 
-def test_a_repeated_id_and_slots_out_of_range_are_refused_before_a_model_loads(folder: Path, capfd,
-                                                                              monkeypatch) -> None:
+def test_a_repeated_id_bad_slots_and_ids_without_json_are_refused_before_a_model_loads(
+        folder: Path, capfd, monkeypatch) -> None:
     path = write(folder, {**GOOD, "id": "a"}, {**GOOD, "id": 7}, {**GOOD, "id": "a"})
     assert refused(path, capfd, monkeypatch) == ("error: requests.jsonl line 3: the id 'a' is already used by an "
                                                  "earlier line")
     path = write(folder, GOOD, {**GOOD, "id": 1})  # the first line's id is its number
     assert refused(path, capfd, monkeypatch) == ("error: requests.jsonl line 2: the id '1' is already used by an "
                                                  "earlier line")
+    assert refused(write(folder, GOOD), capfd, monkeypatch, "--ids") == (
+        "error: --ids adds each answer's ids to the lines of --batch FILE --json: give both")
     for slots in ("0", "-1", str(MAX_SLOTS + 1), str(10**30)):
         assert refused(write(folder, GOOD), capfd, monkeypatch, "--slots", slots) == (
             f"error: --slots {slots}: a batch decodes 1 to {MAX_SLOTS} requests at once")
@@ -125,7 +127,8 @@ def test_a_document_named_on_many_lines_is_read_once_and_the_requests_are_bounde
                                                  f"{MAX_BATCH_REQUESTS:,} requests; split the file")
 
 
-def test_the_characters_read_are_bounded_and_refused_before_reading_past(folder: Path, capfd, monkeypatch) -> None:
+def test_the_characters_a_batch_reads_are_bounded_and_refused_naming_the_line(folder: Path, capfd,
+                                                                              monkeypatch) -> None:
     monkeypatch.setattr(batchfile, "MAX_BATCH_CHARS", 2 * MAX_DOCUMENT_CHARS)
     for i in range(3):
         (folder / f"big{i}.txt").write_text(str(i) * MAX_DOCUMENT_CHARS, encoding="utf-8")

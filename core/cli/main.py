@@ -232,6 +232,8 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
                             (" (or --batch FILE.jsonl)" if args.command == "generate" else ""))
     if batch is not None and (args.doc is not None or args.prompt is not None):
         raise TriForceError("--batch takes each request's document and prompt from its file: drop --doc and --prompt")
+    if getattr(args, "ids", False) and (batch is None or not args.json):
+        raise TriForceError("--ids adds each answer's ids to the lines of --batch FILE --json: give both")
     if batch is None:
         document = read_document(args.doc)
         check_text("document", document)  # bad input is refused in one line, before any progress line or model load
