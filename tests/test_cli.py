@@ -161,8 +161,8 @@ def test_a_batch_answer_in_json_leaves_the_ids_out_unless_asked() -> None:
 
 
 def test_importing_core_sets_nothing_in_the_process_and_loads_no_torch():
-    """The process settings are the entry points' (core.process.configure, before torch loads): a program that
-    imports core, or a light module of it, keeps its own."""
+    """The process settings are the entry points' (core.process.configure before torch loads; app.py's switch
+    interval): a program that imports core, or a light module of it, keeps its own."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     probe = ("import os, sys; import core, core.io.text, core.config; "
              "print(os.environ.get('OMP_WAIT_POLICY'), sys.getswitchinterval(), 'torch' in sys.modules)")
