@@ -74,6 +74,7 @@ BAD_LINES = [
     ({**GOOD, "budget": 100}, "budget (100) must be a multiple of chunk_size (8)"),
     ({**GOOD, "temprature": 1}, "unknown field 'temprature'"),
     ({**GOOD, "id": [1]}, "\"id\" must be text or a whole number, got [1]"),
+    ({**GOOD, "id": "x" * 201}, "\"id\" must be at most 200 characters or 19 digits, got 'xxxx"),
     ('{"document": "x", "prompt": "q", "max_new_tokens": ' + "9" * 5000 + "}",
      "not JSON this reads (a number of thousands of digits)"),
     ('{"document": "x", "prompt": "q", "temperature": NaN}', "not JSON (NaN is not a JSON number)"),

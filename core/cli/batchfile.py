@@ -13,12 +13,14 @@ from typing import Any
 
 from core.batching import Request
 from core.config import MAX_SLOTS, TriForceError, brief, settings
+from core.io.inputs import read_capped
 from core.io.presets import Preset, preset_config
 from core.io.prompting import MAX_DOCUMENT_CHARS, check_text
 
 MAX_BATCH_REQUESTS = 1_000  # a batch file is one run's work; more lines than this is a mistake or a flood
 MAX_BATCH_CHARS = 8 * MAX_DOCUMENT_CHARS  # documents and prompts in all: a few full-size documents, held at once
 MAX_BATCH_FILE_BYTES = 2 * MAX_BATCH_CHARS  # the file itself, read before its lines: room for JSON's quoting
+MAX_ID_CHARS = 200  # an id names its request in every line printed about it: a name, not a document
 FIELDS = ("id", "doc", "document", "prompt")  # a line's own fields; the others are settings
 
 
@@ -91,8 +93,6 @@ def _no_constant(name: str) -> Any:
 def read_lines(path: Path) -> list[str]:
     """The lines of a batch file (split at "\\n" only), its bytes read up to MAX_BATCH_FILE_BYTES and decoded as
     UTF-8; a bad byte is refused naming its line."""
-    from core.io.inputs import read_capped
-
     data = read_capped(path, MAX_BATCH_FILE_BYTES, path.name)
     try:
         return data.decode("utf-8").split("\n")
@@ -125,8 +125,8 @@ def request(item: dict, number: int, reader: Reader, preset: Preset | None, type
     key = item.get("id", number)
     if isinstance(key, bool) or not isinstance(key, (str, int)) or isinstance(key, str) and not key.strip():
         raise TriForceError(f"\"id\" must be text or a whole number, got {brief(key)}")
-    if isinstance(key, int) and not -2**63 <= key < 2**63:
-        raise TriForceError(f"\"id\" must be at most 19 digits, got {brief(key)}")
+    if isinstance(key, int) and not -2**63 <= key < 2**63 or isinstance(key, str) and len(key) > MAX_ID_CHARS:
+        raise TriForceError(f"\"id\" must be at most {MAX_ID_CHARS} characters or 19 digits, got {brief(key)}")
     if ("doc" in item) == ("document" in item):
         raise TriForceError("give either \"doc\" (a file) or \"document\" (text)")
     prompt = item.get("prompt")
