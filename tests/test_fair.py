@@ -1,7 +1,8 @@
 """Fair service (app.service): one visitor cannot hold the others back. Through the served app, with a client per
 session: a flood from one session is refused job by job while its one run is cut at its time bound, and another
-visitor is served right after that run; a full queue refuses in one line with the wait; an admitted job that waits
-is told its place. Alone: the queue's arithmetic, a generation stopped at its bound with its answer kept, and the
+visitor is served right after that run; many sessions of one address (a proxy on the loopback forwarding it) are
+refused past the address's share while another address is served; a full queue refuses in one line with the wait;
+an admitted job that waits is told its place. Alone: the queue's arithmetic, a generation stopped at its bound with its answer kept, and the
 upload bounds. Order is asserted (who is served when, who is refused), never how many seconds something took."""
 
 from __future__ import annotations

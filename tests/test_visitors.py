@@ -1,8 +1,9 @@
 """Concurrent visitors in one batch (issue #50): the served app with a batch of two seats and the embedded model,
 a client per visitor. Two visitors at once each get their own answer, the one each would get alone (greedy); one
 visitor's Stop leaves the other's run finishing; a third visitor beyond the seats is told its place in line, then
-runs; Compare says of each run whether it had the device to itself. Alone: the queue's arithmetic with several
-seats, a job's clock stopped while it waits, and the Compare verdict's words. Order is asserted (who waits, who
+runs; Compare says of each run whether it had the device to itself; visitors finishing together each get the
+download of their own run. Alone: the queue's arithmetic with several seats, a job's clock stopped while it waits,
+the raw-stats files kept, and the Compare verdict's words. Order is asserted (who waits, who
 finishes), never how many seconds something took."""
 
 from __future__ import annotations
