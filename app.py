@@ -69,16 +69,20 @@ if __name__ == "__main__":
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (core/__init__.py says why)
+from core.process import configure  # noqa: E402  (light: importing core loads nothing)
+
+configure()  # OpenMP's wait policy, before torch loads (core/process.py says why)
 try:  # ZeroGPU needs `spaces` imported before torch (imported below through the engine)
     import spaces  # noqa: F401
 except ImportError:
     spaces = None
 
-from app.inference import ModelLoadError, preset_engine, warm_up  # noqa: E402
+from app.inference import SWITCH_INTERVAL_S, ModelLoadError, preset_engine, warm_up  # noqa: E402
 from app.layout import build_demo, launch_options  # noqa: E402
 from app.presets import default_preset  # noqa: E402
 from app.service import ServiceError, run_seconds  # noqa: E402
+
+sys.setswitchinterval(SWITCH_INTERVAL_S)  # the engine's thread gets the GIL back soon (app/inference.py says why)
 
 demo = build_demo()
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -20,13 +22,14 @@ from app.inference import (BATCHED, ModelLoadError, OutOfTime, counting_engine, 
                            preset_engine, stream_events)
 from app.presets import PRESET_SETTINGS, Preset, panel_overrides, preset_by_name
 from app.refusals import quote, quoted_in, refuse
-from app.service import Deadline, keep_upload, out_of_time_line, run_seconds
+from app.service import WAITING_JOBS, Deadline, keep_upload, out_of_time_line, run_seconds
 from app.settings import build_config, parse, widget_args
 from app.state import InLine, RunState, apply_event, budget_share, live_stats, raw_data
 from app.views import (COMPARE_METHODS, SHORT_NAMES, answer_html, document_html, method_name, plan_line, run_heading,
                        run_label, sharing_line, stats_for, stats_markdown, status_markdown, timeline_html)
 from core import GenerationConfig, TriForceError
 from core.decode import difference_note, first_difference
+from core.config import MAX_SLOTS
 from core.events import Event, Finished, PromptReady, RetrievalSelection, Tokens
 from core.io import document_fit, gpu_only_note
 
@@ -35,7 +38,11 @@ TEXT_INTERVAL_S = 0.1  # answer, stats and status: at most 10 updates per second
 GENERIC_INSTRUCTIONS = ("Summarise the document in a few sentences.", "Continue the text.")
 TRIFORCE_TAB_METHOD = "triforce"  # the TriForce tab shows the three levels unless the visitor picks method auto
 RAW_DIR = Path(tempfile.gettempdir()) / "triforce-studio"  # the Raw stats downloads (Gradio serves a copy)
-RAW_FILES_KEPT = 16
+# Raw-stats files of finished runs kept, newest last: twice the runs that can finish together (every seat of the
+# largest batch and every waiting place), so a file stays until Gradio has copied it for its link.
+RAW_FILES_KEPT = 2 * (MAX_SLOTS + WAITING_JOBS)
+_raw_files: collections.deque[Path] = collections.deque()  # this process's raw-stats files, oldest first
+_raw_lock = threading.Lock()
 
 
 class Throttle:
@@ -211,12 +218,17 @@ def _method(values: Mapping[str, Any]) -> str:
 
 
 def raw_stats_file(state: RunState) -> str:
-    """The run's full data (state.raw_data) as a JSON file to download; only the newest RAW_FILES_KEPT are kept."""
+    """The run's full data (state.raw_data) as a JSON file to download, under a name of its own; this process's
+    files beyond the newest RAW_FILES_KEPT are deleted (those it listed itself: no other process's, no race with a
+    directory scan)."""
     RAW_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=RAW_DIR, prefix="raw-stats-", suffix=".json", delete=False) as f:
         f.write(json.dumps(raw_data(state)))  # one C-encoded string: json.dump writes piece by piece
-    for old in sorted(RAW_DIR.glob("raw-stats-*.json"), key=lambda p: p.stat().st_mtime)[:-RAW_FILES_KEPT]:
-        old.unlink(missing_ok=True)
+    with _raw_lock:
+        _raw_files.append(Path(f.name))
+        old = [_raw_files.popleft() for _ in range(len(_raw_files) - RAW_FILES_KEPT)]
+    for path in old:
+        path.unlink(missing_ok=True)
     return f.name
 
 

@@ -15,7 +15,6 @@ import itertools
 import os
 import queue
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -47,14 +46,13 @@ _servers: dict[int, BatchServer] = {}  # the batch of each loaded engine, by the
 _servers_lock = threading.Lock()
 _runs = itertools.count(1)  # numbers every run: a request's key is unique whoever sends it
 _DONE = object()  # the end of a generation's event queue
+# The engine's thread lets go of the GIL while it waits for the device and wants it back the moment a step is done;
+# a UI thread holding it runs on for Python's switch interval (5 ms by default: several decode steps of a small model
+# on a GPU) before it hands over. A shorter interval bounds that wait; the process serving the app sets it (app.py).
+SWITCH_INTERVAL_S = 0.0005
 HANDOVER_S = 0.02  # events go to the app in batches at most this far apart (a handover per event costs GIL switches)
 WAITING_S = 0.25  # with no event for this long, the stream says it is waiting (a Stop lands between yields)
 URGENT_KINDS = ("Loading", "PrefillProgress", "PromptReady", "Finished")  # handed over at once
-# The engine's thread lets go of the GIL while it waits for the device and wants it back the moment a step is done;
-# a UI thread holding it runs on for Python's switch interval (5 ms by default: several decode steps of a small model
-# on a GPU) before it hands over. A shorter interval bounds that wait.
-SWITCH_INTERVAL_S = 0.0005
-sys.setswitchinterval(SWITCH_INTERVAL_S)
 _loaded: dict[tuple[str | None, str | None], dict] = {}
 
 

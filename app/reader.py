@@ -9,7 +9,6 @@ fraction of a second."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import logging
@@ -111,12 +110,10 @@ def extract_html(data: bytes, limits: Limits) -> str:
 
 
 def _html_to_text() -> Callable[[str], str]:
-    """core.io.text.html_to_text, loaded from its file: importing it as core.io.text would first run core/__init__,
-    which imports the engine and torch (seconds before the child could start reading)."""
-    spec = importlib.util.spec_from_file_location("_triforce_text", ROOT / "core" / "io" / "text.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.html_to_text
+    """core.io.text.html_to_text, imported when a page is read (a light module: importing core loads no torch)."""
+    from core.io.text import html_to_text
+
+    return html_to_text
 
 
 def first_line(err: Exception) -> str:

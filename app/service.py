@@ -1,14 +1,17 @@
 """Fair service: one visitor cannot hold the others back.
 
 Generation jobs share one device. Off a ZeroGPU Space they decode together in one batch of `seats`
-(app.inference.BATCHED: core.serving.BatchServer): every admitted job's handler runs at once, reading its own
-request's stream, and the jobs past the seats wait in the batch's line, first come first served, each told its
-place. On ZeroGPU there is no batch: one job at a time through Gradio's queue (one seat). Either way the admitted
-jobs are at most VISITOR_JOBS per visitor (Gradio's session), running or waiting, and WAITING_JOBS waiting beyond
-the seats; a job past either bound is refused at once, in one line that says why and how long the wait is, and an
-admitted job that has to wait is told its place and the wait. A job's generation stops after a bound of time with a
-seat (run_seconds; waiting in line does not count), its answer so far kept. With one job per visitor and a bounded
-run, a flood from one session holds at most one seat, so another visitor waits at most for seats to turn over.
+(app.inference.BATCHED: core.serving.BatchServer): every admitted job's handler runs at once, reading its own request's
+stream, and the jobs past the seats wait in the batch's line, first come first served, each told its place. On ZeroGPU
+there is no batch: one job at a time through Gradio's queue (one seat). Either way the admitted jobs are at most
+VISITOR_JOBS per visitor (Gradio's session), running or waiting, at most a share of the places (seats and waiting) per
+address (address_jobs: a client chooses its session, not its address), and WAITING_JOBS waiting beyond the seats; a job
+past any bound is refused at once, in one line that says why and how long the wait is, and an admitted job that has to
+wait is told its place and the wait. A job's generation stops after a bound of time with a seat (run_seconds; waiting in
+line does not count), its answer so far kept. With one job per visitor and a bounded run, a flood from one session holds
+at most one seat, and one from many sessions of one address at most its share, so another visitor waits at most for
+seats to turn over. The address is the client's as uvicorn gives it: behind a proxy the forwarded one only where
+FORWARDED_ALLOW_IPS trusts the proxy (as for uploads).
 
 Uploads: the bytes one address may upload in a window are bounded before Gradio reads them (UploadBudget), and the
 files a session used are deleted when it ends (or when it has uploaded UPLOADS_KEPT newer ones)."""
@@ -25,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gradio as gr
 from gradio.queueing import Event as QueuedEvent
@@ -38,6 +41,7 @@ from app.refusals import cut, log
 
 VISITOR_JOBS = 1  # generation jobs one visitor may hold, its running one included
 WAITING_JOBS = 16  # generation jobs waiting in all (those with a seat aside)
+ADDRESS_SHARE = 4  # one address holds at most 1/ADDRESS_SHARE of the places: at least this many addresses fit at once
 QUEUE_EVENTS = 64  # every kind of event waiting at once: Gradio's own max_size, a backstop behind the bounds above
 RUN_SECONDS_ENV = "TRIFORCE_RUN_SECONDS"
 RUN_SECONDS = 180.0  # a job's generation time, by default: a few hundred tokens of the embedded model on a CPU
@@ -123,6 +127,19 @@ def out_of_time_line(seconds: float, tokens: int) -> str:
             f"answer so far is kept ({tokens} tokens). Ask for fewer new tokens to finish within it.")
 
 
+class Job(NamedTuple):
+    """An admitted generation job: whom it is counted against (visitor) and the address it came from."""
+
+    visitor: str
+    address: str
+
+
+def address_jobs(seats: int) -> int:
+    """Generation jobs one address may hold, running or waiting: its share of the places (seats and waiting), and
+    never less than one visitor's."""
+    return max(VISITOR_JOBS, (seats + WAITING_JOBS) // ADDRESS_SHARE)
+
+
 @dataclass
 class Line:
     """The generation jobs at one moment: those Gradio runs and those waiting in its queue (first come first), for
@@ -131,21 +148,32 @@ class Line:
     the first `seats` jobs decode, the others wait (in Gradio's queue with one seat; in the batch's line with
     several, their handlers running)."""
 
-    running: list[str]
-    waiting: list[str]
+    running: list[Job]
+    waiting: list[Job]
     elapsed: float
     typical: float | None
     bound: float
     seats: int = 1
 
     @property
-    def jobs(self) -> list[str]:
-        """Every admitted job's visitor, first come first."""
+    def jobs(self) -> list[Job]:
+        """Every admitted job, first come first."""
         return self.running + self.waiting
 
     def held_by(self, visitor: str) -> int:
         """Jobs of `visitor` running or waiting."""
-        return self.jobs.count(visitor)
+        return sum(job.visitor == visitor for job in self.jobs)
+
+    def from_address(self, address: str) -> int:
+        """Jobs from `address` running or waiting."""
+        return sum(job.address == address for job in self.jobs)
+
+    def ends(self, position: int) -> str:
+        """When the job at `position` (first come first) ends at the latest: its wait for a seat, then its bound."""
+        left = max(self.bound - self.elapsed, 0.0) if self.running else 0.0
+        if position < self.seats:
+            return f"within {span(left)}" if self.seats == 1 else f"within {span(self.bound)} of its start"
+        return f"within {span(left + ((position - self.seats) // self.seats + 1) * self.bound)}"
 
     def wait(self, ahead: int) -> str:
         """How long a job waits for a seat with `ahead` jobs waiting before it: "about X, at most Y". Seats turn over
@@ -172,35 +200,48 @@ def visitor(session_hash: str | None, request: Any) -> str:
     return f"address {getattr(client, 'host', None) or 'unknown'}"
 
 
-def _visitor_of(event: QueuedEvent) -> str:
-    """The visitor of a queued event (Gradio names an event without a session after the event itself)."""
-    return visitor(None if event.session_hash == event._id else event.session_hash, event.request)
+def address(request: Any) -> str:
+    """The address a request came from, as uvicorn gives it (a proxy's forwarded one only where FORWARDED_ALLOW_IPS
+    trusts the proxy)."""
+    client = getattr(request, "client", None)
+    return getattr(client, "host", None) or "unknown"
+
+
+def _job_of(event: QueuedEvent) -> Job:
+    """The job of a queued event (Gradio names an event without a session after the event itself)."""
+    return Job(visitor(None if event.session_hash == event._id else event.session_hash, event.request),
+               address(event.request))
 
 
 def line(queue: Queue, concurrency_id: str, bound: float, seats: int = 1) -> Line:
     """The generation jobs (the events of `concurrency_id`) as Gradio's queue holds them now."""
     events = queue.event_queue_per_concurrency_id.get(concurrency_id)
-    running = [_visitor_of(event) for job in queue.active_jobs if job for event in job
+    running = [_job_of(event) for job in queue.active_jobs if job for event in job
                if event.concurrency_id == concurrency_id]
     starts = [t for times in (events.start_times_per_fn.values() if events else ()) for t in times]
     done = [times for fn, times in queue.process_time_per_fn.items() if fn.concurrency_id == concurrency_id
             and times.count]
     typical = sum(t.process_time for t in done) / sum(t.count for t in done) if done else None
     elapsed = time.time() - min(starts) if starts and running and seats == 1 else 0.0
-    return Line(running, [_visitor_of(event) for event in (events.queue if events else [])], elapsed, typical, bound,
+    return Line(running, [_job_of(event) for event in (events.queue if events else [])], elapsed, typical, bound,
                 seats)
 
 
-def admission(now: Line, who: str) -> str | None:
-    """Why a new job of `who` is refused (one line, with the wait), or None when it is admitted."""
+def admission(now: Line, new: Job) -> str | None:
+    """Why the job `new` is refused (one line, with the wait), or None when it is admitted."""
+    who = new.visitor
     if now.held_by(who) >= VISITOR_JOBS:
-        ahead = now.jobs.index(who) - now.seats  # jobs waiting before it; below 0: it has a seat
-        if who in now.running and ahead < 0:
-            ends = span(max(now.bound - now.elapsed, 0)) if now.seats == 1 else f"{span(now.bound)} of its start"
-            return (f"Your earlier run is still going (one run at a time per visitor); it ends within {ends}. Wait "
-                    f"for it, or press Stop and run again.")
+        position = [job.visitor for job in now.jobs].index(who)
+        ahead = position - now.seats  # jobs waiting before it; below 0: it has a seat
+        if ahead < 0 and any(job.visitor == who for job in now.running):
+            return (f"Your earlier run is still going (one run at a time per visitor); it ends {now.ends(position)}. "
+                    f"Wait for it, or press Stop and run again.")
         return (f"Your earlier run is still waiting (one run at a time per visitor): it starts in "
                 f"{now.wait(max(ahead, 0))}. Wait for it, or press Stop and run again.")
+    if (held := now.from_address(new.address)) >= (most := address_jobs(now.seats)):
+        first = [job.address for job in now.jobs].index(new.address)
+        return (f"Too many runs from your address ({held} running or waiting; at most {most} per address, so that "
+                f"every visitor gets a seat): the first of them ends {now.ends(first)}. Try again then.")
     if len(now.jobs) >= now.seats + WAITING_JOBS:
         device = "the one device" if now.seats == 1 else "a seat in the batch"
         return (f"The queue is full ({plural(len(now.jobs) - now.seats, 'run')} waiting for {device}): a place "
@@ -245,9 +286,9 @@ def serve(demo: gr.Blocks, concurrency_id: str, seats: int = 1) -> gr.Blocks:
             return await push(body, request, username)
         async with admitting:
             now = line(queue, concurrency_id, run_seconds(), seats)
-            who = visitor(body.session_hash, request)
+            who = Job(visitor(body.session_hash, request), address(request))
             if refusal := admission(now, who):
-                log.warning("refused (queue): %s: %s", cut(repr(who), 40), refusal)
+                log.warning("refused (queue): %s from %s: %s", cut(repr(who.visitor), 40), who.address, refusal)
                 return _refused(queue, fn, body, request, username, refusal)
             admitted = await push(body, request, username)
         event = queue.event_ids_to_events.get(admitted[1]) if admitted[0] else None

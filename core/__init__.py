@@ -1,17 +1,24 @@
-"""TriForce engine: hierarchical speculative decoding for long-context generation."""
+"""TriForce engine: hierarchical speculative decoding for long-context generation. Importing it loads nothing: the
+names below are imported on first use, so a light module (core.io.text, core.config) loads without torch, and the
+process settings (core.process) are the entry points' to make before torch loads."""
 
-import os
+from __future__ import annotations
 
-# OpenMP reads its wait policy once, when torch loads it: PASSIVE idle threads sleep instead of spinning. With the
-# default, a 2-thread CPU step on a machine whose cores other processes keep busy waited for a descheduled thread at
-# every operator (a 3-row level-2 step 3.3 s against 59 ms: python -m bench.cpu_steps --openmp-default); on a quiet
-# machine it costs ~2-3 ms a step. A value already set is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import importlib
+from typing import Any
 
-from core import events  # noqa: E402
-from core.config import (ContextOverflowError, GenerationConfig, ModelNotFoundError,  # noqa: E402
-                         TokenizerMismatchError, TriForceError)
-from core.engine import Engine  # noqa: E402
+_EXPORTS = {"Engine": "core.engine", "GenerationConfig": "core.config", "TriForceError": "core.config",
+            "ContextOverflowError": "core.config", "TokenizerMismatchError": "core.config",
+            "ModelNotFoundError": "core.config", "events": "core.events"}  # name → the module that defines it
 
-__all__ = ["Engine", "GenerationConfig", "TriForceError", "ContextOverflowError", "TokenizerMismatchError",
-           "ModelNotFoundError", "events"]
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'core' has no attribute {name!r}")
+    module = importlib.import_module(_EXPORTS[name])
+    value = module if module.__name__ == f"core.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value

@@ -2,6 +2,10 @@
 
 import sys
 
-from core.cli.main import main
+from core.process import configure
+
+configure()  # before torch loads (core.cli.main imports it)
+
+from core.cli.main import main  # noqa: E402
 
 sys.exit(main())

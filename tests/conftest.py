@@ -4,10 +4,14 @@ one each); the processes a test starts inherit that share."""
 
 import os
 
-import pytest
-import torch
+from core.process import configure
 
-from core import Engine
+configure()  # as the entry points do, before torch loads
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from core import Engine  # noqa: E402
 
 
 def pytest_configure() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,10 @@ from typing import Any
 @contextlib.contextmanager
 def served(**launch: Any) -> Iterator[str]:
     """The app built and launched with launch_options() (`launch` overriding them) until the block ends; its URL."""
+    from app.inference import SWITCH_INTERVAL_S
     from app.layout import build_demo, launch_options
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as app.py sets it for the process serving the app
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -3,12 +3,13 @@ taken unless a flag is given, progress on stderr."""
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from core.cli.main import main
+from core.cli.main import _batch_answer, main
 from core.events import Finished, Loading, PlanChosen, PrefillProgress, PromptReady, Stats, Tokens
 from core.cli.progress import Progress
 
@@ -121,15 +122,22 @@ def test_progress_on_a_terminal_is_a_bar_that_vanishes_and_lines_above_it():
 
 
 def test_batch_file_answers_each_request_as_alone(tmp_path, embedded, capsys):
-    """generate --batch: one JSON line per request, each greedy answer the one its single run gives; a bad line is
-    refused in one line naming it, before any model loads."""
+    """generate --batch: each answer under its id with its figures (--json --ids: one JSON line each, with its ids),
+    each greedy answer the one its single run gives, each request's progress on stderr; a bad line is refused in
+    one line naming it, before any model loads (more: test_batch_file.py)."""
     short_doc(tmp_path)
     lines = [{"id": "who", "doc": "doc.txt", "prompt": "Who is complained about?", "greedy": True, "max_new_tokens": 8},
              {"id": "ar", "document": "The dog sat on the log.", "prompt": "Where did the dog sit?", "method": "ar",
               "greedy": True, "max_new_tokens": 8}]
     batch = tmp_path / "requests.jsonl"
     batch.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    assert main(["generate", "--batch", str(batch), "--budget", "128", "--quiet"]) == 0
+    assert main(["generate", "--batch", str(batch), "--budget", "128"]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"^=== who ===\n.+\n\[auto: \d+ tokens, ", out, re.MULTILINE) and "=== ar ===" in out
+    assert '"token_ids"' not in out and "[ar: " in out
+    assert "2 requests, at most 8 decoded at once" in err and "who: prompt of " in err
+    assert "who: finished (" in err and "ar: finished (" in err
+    assert main(["generate", "--batch", str(batch), "--budget", "128", "--quiet", "--json", "--ids"]) == 0
     answers = {a["id"]: a for a in map(json.loads, capsys.readouterr().out.splitlines())}
     assert set(answers) == {"who", "ar"} and answers["ar"]["stats"]["method"] == "ar"
     assert answers["who"]["stats"]["shared_with"] == 1
@@ -139,3 +147,29 @@ def test_batch_file_answers_each_request_as_alone(tmp_path, embedded, capsys):
     batch.write_text('{"id": "x", "doc": "doc.txt", "prompt": "?", "temprature": 1}\n')
     assert main(["generate", "--batch", str(batch)]) == 2
     assert capsys.readouterr().err.strip() == "error: requests.jsonl line 1: unknown field 'temprature'"
+
+
+def test_a_batch_answer_in_json_leaves_the_ids_out_unless_asked() -> None:
+    stats = Stats(method="ar", new_tokens=2, prompt_tokens=9, dropped_tokens=0, prefill_s=0.1, prefill_reused=False,
+                  decode_s=0.2, tokens_per_s=10.0, time_to_first_token_s=0.1, target_forwards=2,
+                  tokens_per_target_forward=1.0)
+    finished = Finished(" On the log.", [5, 6], [1, 2, 3], stats)
+    assert set(json.loads(_batch_answer("dog", finished, as_json=True, ids=False))) == {"id", "text", "stats"}
+    assert json.loads(_batch_answer("dog", finished, as_json=True, ids=True))["token_ids"] == [5, 6]
+    assert _batch_answer("dog", finished, as_json=False, ids=False).startswith("=== dog ===\nOn the log.\n[ar: 2 "
+                                                                               "tokens, 10.00 tok/s")
+
+
+def test_importing_core_sets_nothing_in_the_process_and_loads_no_torch():
+    """The process settings are the entry points' (core.process.configure before torch loads; app.py's switch
+    interval): a program that imports core, or a light module of it, keeps its own."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = ("import os, sys; import core, core.io.text, core.config; "
+             "print(os.environ.get('OMP_WAIT_POLICY'), sys.getswitchinterval(), 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env,
+                       cwd=Path(__file__).parent.parent)
+    assert r.stdout.split() == ["None", "0.005", "False"], r.stderr
+    r = subprocess.run([sys.executable, "-c", "from core import Engine, events; print(Engine.__name__, "
+                        "events.Finished.__name__)"], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=Path(__file__).parent.parent)
+    assert r.stdout.split() == ["Engine", "Finished"], r.stderr

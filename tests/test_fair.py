@@ -1,7 +1,8 @@
 """Fair service (app.service): one visitor cannot hold the others back. Through the served app, with a client per
 session: a flood from one session is refused job by job while its one run is cut at its time bound, and another
-visitor is served right after that run; a full queue refuses in one line with the wait; an admitted job that waits
-is told its place. Alone: the queue's arithmetic, a generation stopped at its bound with its answer kept, and the
+visitor is served right after that run; many sessions of one address (a proxy on the loopback forwarding it) are
+refused past the address's share while another address is served; a full queue refuses in one line with the wait;
+an admitted job that waits is told its place. Alone: the queue's arithmetic, a generation stopped at its bound with its answer kept, and the
 upload bounds. Order is asserted (who is served when, who is refused), never how many seconds something took."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from core.events import Tokens
 
 from app import inference, service
 from app.presets import EMBEDDED
-from app.service import Line, ServiceError, UploadBudget, admission, forget_session, keep_upload, run_seconds
+from app.service import Job, Line, ServiceError, UploadBudget, admission, forget_session, keep_upload, run_seconds
 from tests.served import served
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,20 +31,47 @@ HANG_S = 600  # only against a hang: a job that never reaches the state waited f
 # ---------------------------------------------------------------- the queue's arithmetic
 
 
+def job(visitor: str, address: str | None = None) -> Job:
+    """A job of `visitor`, from `address` or else from an address of its own."""
+    return Job(visitor, address or f"address of {visitor}")
+
+
+def jobs(visitors: str, address: str | None = None) -> list[Job]:
+    """A job for each visitor named by a letter, from `address` or else from an address of their own."""
+    return [job(v, address) for v in visitors]
+
+
 def test_a_visitor_holding_a_job_is_refused_another_with_the_wait() -> None:
-    running = Line(running=["a"], waiting=["b", "c"], elapsed=30.0, typical=40.0, bound=180.0)
-    assert admission(running, "a").startswith("Your earlier run is still going (one run at a time per visitor); "
-                                              "it ends within 3 min.")
-    assert admission(running, "c") == ("Your earlier run is still waiting (one run at a time per visitor): it starts "
-                                       "in about 50 s, at most 6 min. Wait for it, or press Stop and run again.")
-    assert admission(running, "d") is None
+    running = Line(running=jobs("a"), waiting=jobs("bc"), elapsed=30.0, typical=40.0, bound=180.0)
+    assert admission(running, job("a")).startswith("Your earlier run is still going (one run at a time per "
+                                                   "visitor); it ends within 3 min.")
+    assert admission(running, job("c")) == ("Your earlier run is still waiting (one run at a time per visitor): it "
+                                            "starts in about 50 s, at most 6 min. Wait for it, or press Stop and run "
+                                            "again.")
+    assert admission(running, job("d")) is None
 
 
 def test_a_full_queue_refuses_everyone_with_when_a_place_frees(monkeypatch) -> None:
     monkeypatch.setattr(service, "WAITING_JOBS", 2)
-    full = Line(running=["a"], waiting=["b", "c"], elapsed=100.0, typical=None, bound=180.0)
-    assert admission(full, "d") == ("The queue is full (2 runs waiting for the one device): a place frees in at "
-                                    "most 80 s. Try again then.")
+    full = Line(running=jobs("a"), waiting=jobs("bc"), elapsed=100.0, typical=None, bound=180.0)
+    assert admission(full, job("d")) == ("The queue is full (2 runs waiting for the one device): a place frees in "
+                                         "at most 80 s. Try again then.")
+
+
+def test_one_address_holds_at_most_its_share_of_the_places_whatever_its_sessions() -> None:
+    """Sessions are the client's to choose, its address is not: many sessions of one address are refused past the
+    address's share, with when to retry, while another address is admitted."""
+    most = service.address_jobs(8)
+    assert most == (8 + service.WAITING_JOBS) // service.ADDRESS_SHARE and service.address_jobs(1) >= 1
+    now = Line(running=jobs("abcdefgh"[:most], "10.0.0.1") + jobs("xy"), waiting=[], elapsed=0.0, typical=None,
+               bound=180.0, seats=8)
+    assert admission(now, job("z", "10.0.0.1")) == (
+        f"Too many runs from your address ({most} running or waiting; at most {most} per address, so that every "
+        "visitor gets a seat): the first of them ends within 3 min of its start. Try again then.")
+    assert admission(now, job("z", "10.0.0.2")) is None
+    alone = Line(running=jobs("a", "10.0.0.1"), waiting=jobs("bcd", "10.0.0.1"), elapsed=60.0, typical=None,
+                 bound=180.0, seats=1)
+    assert admission(alone, job("e", "10.0.0.1")).endswith("the first of them ends within 2 min. Try again then.")
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "1e9"])
@@ -162,11 +190,12 @@ def run_kwargs(**overrides) -> dict:
 LONG = {"max_new_tokens": 4000, "greedy": False, "temperature": 2.0}  # ends at the bound, not at EOS
 
 
-def client(url: str):
-    """A new visitor: gradio_client's Client is one session."""
+def client(url: str, address: str | None = None):
+    """A new visitor: gradio_client's Client is one session; from `address` as a proxy on the loopback (which
+    uvicorn trusts unless FORWARDED_ALLOW_IPS says otherwise) forwards it."""
     from gradio_client import Client
 
-    return Client(url, verbose=False)
+    return Client(url, verbose=False, headers={"X-Forwarded-For": address} if address else None)
 
 
 def running(job) -> None:
@@ -217,7 +246,7 @@ def test_a_full_queue_refuses_in_one_line_with_the_wait(url: str, monkeypatch) -
 
     monkeypatch.setattr(service, "WAITING_JOBS", 1)
     monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "3")
-    first, second, third = client(url), client(url), client(url)
+    first, second, third = (client(url, f"10.0.1.{i}") for i in (1, 2, 3))  # three visitors, three addresses
     long = first.submit(**run_kwargs(**LONG), api_name="/triforce")
     running(long)
     waiting = second.submit(**run_kwargs(), api_name="/triforce")
@@ -229,3 +258,29 @@ def test_a_full_queue_refuses_in_one_line_with_the_wait(url: str, monkeypatch) -
     assert waiting.result(timeout=HANG_S)[0].startswith(("✅ Finished", "⏱️ Stopped at the time bound"))
     assert long.result(timeout=HANG_S)[0].startswith("⏱️ Stopped at the time bound")
     assert third.predict(**run_kwargs(), api_name="/triforce")[0]  # served once there is room
+
+
+def test_many_sessions_of_one_address_leave_another_address_served(url: str, monkeypatch) -> None:
+    """One address opens a session per run, past its share of the places: the runs beyond its share are refused at
+    once in one line that says why and when to retry, and a visitor from another address is admitted and served."""
+    from gradio_client.exceptions import AppError
+
+    most = service.address_jobs(1)
+    monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "3")
+    flood = [client(url, "10.0.0.1") for _ in range(most + 2)]
+    long = flood[0].submit(**run_kwargs(**LONG), api_name="/triforce")
+    running(long)
+    admitted = [session.submit(**run_kwargs(), api_name="/triforce") for session in flood[1:most]]
+    for job in admitted:
+        queued(job)
+    for session in flood[most:]:
+        with pytest.raises(AppError) as refused:
+            session.predict(**run_kwargs(**LONG), api_name="/triforce")
+        assert str(refused.value).startswith(f"Too many runs from your address ({most} running or waiting; at most "
+                                             f"{most} per address, so that every visitor gets a seat): the first of "
+                                             "them ends within ")
+        assert str(refused.value).endswith("Try again then.") and len(str(refused.value).splitlines()) == 1
+    other = client(url, "10.0.0.2").submit(**run_kwargs(), api_name="/triforce")
+    assert other.result(timeout=HANG_S)[0].startswith("✅ Finished")
+    assert all(job.result(timeout=HANG_S)[0].startswith("✅ Finished") for job in admitted)
+    assert long.result(timeout=HANG_S)[0].startswith("⏱️ Stopped at the time bound of a run (3 s")

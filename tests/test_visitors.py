@@ -1,8 +1,9 @@
 """Concurrent visitors in one batch (issue #50): the served app with a batch of two seats and the embedded model,
 a client per visitor. Two visitors at once each get their own answer, the one each would get alone (greedy); one
 visitor's Stop leaves the other's run finishing; a third visitor beyond the seats is told its place in line, then
-runs; Compare says of each run whether it had the device to itself. Alone: the queue's arithmetic with several
-seats, a job's clock stopped while it waits, and the Compare verdict's words. Order is asserted (who waits, who
+runs; Compare says of each run whether it had the device to itself; visitors finishing together each get the
+download of their own run. Alone: the queue's arithmetic with several seats, a job's clock stopped while it waits,
+the raw-stats files kept, and the Compare verdict's words. Order is asserted (who waits, who
 finishes), never how many seconds something took."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from core.events import Finished
 from core.serving import BatchServer
 from tests.served import served
 from tests.test_app import run_stats
+from tests.test_fair import job, jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "assets" / "docs" / "us_declaration_of_independence.txt").read_text(encoding="utf-8")[:600]
@@ -35,15 +37,16 @@ LONG = {"max_new_tokens": 4000, "greedy": False, "temperature": 2.0}  # ends at 
 
 def test_the_line_with_several_seats_admits_until_the_seats_and_the_waiting_are_full(monkeypatch) -> None:
     monkeypatch.setattr(service, "WAITING_JOBS", 2)
-    seated = Line(running=list("abcd"), waiting=[], elapsed=0.0, typical=None, bound=180.0, seats=4)
-    assert admission(seated, "e") is None  # beyond the seats: it waits in the batch's line
-    assert admission(seated, "a").startswith("Your earlier run is still going (one run at a time per visitor); it "
-                                             "ends within 3 min of its start.")
-    full = Line(running=list("abcdef"), waiting=[], elapsed=0.0, typical=60.0, bound=180.0, seats=4)
-    assert admission(full, "f") == ("Your earlier run is still waiting (one run at a time per visitor): it starts "
-                                    "in about 60 s, at most 3 min. Wait for it, or press Stop and run again.")
-    assert admission(full, "g") == ("The queue is full (2 runs waiting for a seat in the batch): a place frees in "
-                                    "about 60 s, at most 3 min. Try again then.")
+    seated = Line(running=jobs("abcd"), waiting=[], elapsed=0.0, typical=None, bound=180.0, seats=4)
+    assert admission(seated, job("e")) is None  # beyond the seats: it waits in the batch's line
+    assert admission(seated, job("a")).startswith("Your earlier run is still going (one run at a time per "
+                                                  "visitor); it ends within 3 min of its start.")
+    full = Line(running=jobs("abcdef"), waiting=[], elapsed=0.0, typical=60.0, bound=180.0, seats=4)
+    assert admission(full, job("f")) == ("Your earlier run is still waiting (one run at a time per visitor): it "
+                                         "starts in about 60 s, at most 3 min. Wait for it, or press Stop and run "
+                                         "again.")
+    assert admission(full, job("g")) == ("The queue is full (2 runs waiting for a seat in the batch): a place frees "
+                                         "in about 60 s, at most 3 min. Try again then.")
     assert full.wait(4) == "about 2 min, at most 6 min"  # the fifth in line waits for the seats to turn over twice
     assert service.concurrent_jobs(8, batched=True) == 8 + service.WAITING_JOBS
     assert service.concurrent_jobs(8, batched=False) == 1
@@ -69,6 +72,22 @@ def test_compare_says_which_run_shared_the_device_and_which_ran_alone() -> None:
             "clean single-request figure. · Method auto (the planner picks the levels) ran beside 1 other request — "
             "its ratio is not a clean single-request figure.") in text
     assert [summary["runs"][method]["shared_with"] for method in runs] == [0, 2, 1]
+
+
+def test_raw_stats_files_are_kept_for_every_run_that_can_finish_together_and_no_other_file_is_touched(
+        tmp_path: Path, monkeypatch) -> None:
+    """Each run's file has a name of its own; the newest RAW_FILES_KEPT of this process's are kept, at least as many
+    as can finish at once; a file this process did not write (another process's, or one gone meanwhile) is never
+    read or deleted."""
+    assert callbacks.RAW_FILES_KEPT >= service.concurrent_jobs(callbacks.MAX_SLOTS, batched=True)
+    monkeypatch.setattr(callbacks, "RAW_DIR", tmp_path)
+    monkeypatch.setattr(callbacks, "RAW_FILES_KEPT", 3)
+    monkeypatch.setattr(callbacks, "_raw_files", type(callbacks._raw_files)())
+    foreign = tmp_path / "raw-stats-another-process.json"
+    foreign.write_text("{}")
+    made = [Path(callbacks.raw_stats_file(RunState(method="ar"))) for _ in range(5)]
+    assert len(set(made)) == 5 and [path.exists() for path in made] == [False, False, True, True, True]
+    assert foreign.exists() and json.loads(made[-1].read_text())["answer"]["token_ids"] == []
 
 
 # ---------------------------------------------------------------- the served app, a client per visitor
@@ -193,3 +212,13 @@ def test_compare_says_each_run_decoded_beside_another_visitors(url: str, monkeyp
     assert "Autoregressive ran beside 1 other request — its ratio is not a clean single-request figure" in verdict
     assert out["compare_json"]["identical"] == {"triforce": True, "auto": True}  # greedy, beside another run
     assert idle()
+
+
+def test_every_visitor_finishing_together_gets_the_download_of_its_own_run(url: str) -> None:
+    """More visitors than seats at once, each run a different length: every finished run links a readable file
+    holding its own run's data."""
+    lengths = range(4, 4 + 2 * SEATS)
+    jobs = [client(url).submit(**run_kwargs(max_new_tokens=n), api_name="/triforce") for n in lengths]
+    results = [job.result(timeout=HANG_S) for job in jobs]
+    assert all(result[0].startswith("✅ Finished") for result in results)
+    assert [answer(result)[1]["settings"]["max_new_tokens"] for result in results] == list(lengths)

@@ -15,8 +15,7 @@ from typing import NoReturn
 import transformers
 
 from core.decode.compare import difference_note
-from core.batching import Request
-from core.config import SEATS, GenerationConfig, TriForceError, brief, settings, type_hints, value_types
+from core.config import SEATS, GenerationConfig, TriForceError, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
 from core.io.inputs import STDIN, gpu_memory_gib, note_gpu_only, process_group, read_capped
@@ -25,6 +24,7 @@ from core.io.loading import device_and_dtype, load_config
 from core.model.transformer import ModelArgs
 from core.model.parallel import TensorParallel, capacity, check_split, joined, launch
 from core.io.presets import PRESETS, Preset, by_id, installable, preset_config, resolve_preset
+from core.cli.batchfile import check_slots, read_batch
 from core.cli.progress import ANSI_COLOURS, LEGEND, Progress
 from core.io.prompting import MAX_DOCUMENT_CHARS, check_text
 
@@ -74,7 +74,10 @@ def parser() -> argparse.ArgumentParser:
         if name == "generate":
             s.add_argument("--batch", type=Path, metavar="FILE.jsonl", help="decode several requests together, one "
                            'JSON object a line: {"id", "doc" (a file, relative to FILE) or "document" (text), '
-                           '"prompt", any setting by name}; prints one JSON line per answer as it finishes')
+                           '"prompt", any setting by name} (see examples/batch.jsonl); prints each answer as it '
+                           "finishes: its id, text and figures (--json: one JSON line each)")
+            s.add_argument("--ids", action="store_true", help="with --batch --json: each answer's prompt and token "
+                           "ids too")
             s.add_argument("--slots", type=int, default=SEATS, help=f"requests decoded at once with --batch "
                            f"(default {SEATS}; the rest wait in line)")
         add_settings(s)
@@ -151,45 +154,17 @@ def _stats_line(s: Stats) -> str:
     return line
 
 
+def _batch_answer(key: str, f: Finished, as_json: bool, ids: bool) -> str:
+    """One finished request of a batch as printed: a heading with its id, its text and figures; or one JSON line
+    (`as_json`), with its prompt and token ids only when `ids`."""
+    if as_json:
+        summary = _summary(f) if ids else {"text": f.text, "stats": f.stats.to_dict()}
+        return json.dumps({"id": key, **summary})
+    return f"=== {key} ===\n{f.text.strip()}\n[{_stats_line(f.stats)}]\n"
+
+
 def _summary(f: Finished) -> dict:
     return {"text": f.text, "prompt_ids": f.prompt_ids, "token_ids": f.token_ids, "stats": f.stats.to_dict()}
-
-
-def read_batch(path: Path, preset: Preset | None, typed: dict) -> list[Request]:
-    """The requests of a --batch file: one JSON object a line (blank lines skipped), each with an "id", a "doc" file
-    (relative to the batch file) or "document" text, a "prompt" and any settings by name over the flags typed and the
-    preset's; a bad line is refused in one line naming it."""
-    known = set(settings())
-    requests = []
-    for number, line in enumerate(read_document(str(path)).splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path.name} line {number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TriForceError(f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(item, dict):
-            raise TriForceError(f"{where}: not a JSON object")
-        unknown = set(item) - known - {"id", "doc", "document", "prompt"}
-        if unknown:
-            raise TriForceError(f"{where}: unknown field {brief(sorted(unknown)[0])}")
-        if ("doc" in item) == ("document" in item):
-            raise TriForceError(f"{where}: give either \"doc\" (a file) or \"document\" (text)")
-        document = read_document(str(path.parent / item["doc"])) if "doc" in item else item["document"]
-        prompt = item.get("prompt")
-        if not isinstance(document, str) or not isinstance(prompt, str):
-            raise TriForceError(f"{where}: \"document\" and \"prompt\" must be text")
-        check_text("document", document)
-        check_text("question", prompt)
-        try:
-            cfg = preset_config(preset, **{**typed, **{k: v for k, v in item.items() if k in known}}).validate()
-        except TypeError as e:
-            raise TriForceError(f"{where}: {e}") from None
-        requests.append(Request(str(item.get("id", number)), document, prompt, config=cfg))
-    if not requests:
-        raise TriForceError(f"{path.name}: no requests")
-    return requests
 
 
 def read_document(path: str) -> str:
@@ -257,6 +232,8 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
                             (" (or --batch FILE.jsonl)" if args.command == "generate" else ""))
     if batch is not None and (args.doc is not None or args.prompt is not None):
         raise TriForceError("--batch takes each request's document and prompt from its file: drop --doc and --prompt")
+    if getattr(args, "ids", False) and (batch is None or not args.json):
+        raise TriForceError("--ids adds each answer's ids to the lines of --batch FILE --json: give both")
     if batch is None:
         document = read_document(args.doc)
         check_text("document", document)  # bad input is refused in one line, before any progress line or model load
@@ -269,15 +246,23 @@ def _main(args: argparse.Namespace, tp: TensorParallel | None) -> int:
     if batch is not None:
         if tp is not None:
             raise TriForceError("--batch runs in one process: drop --tp")
+        check_slots(args.slots)
         requests = read_batch(batch, preset, typed)  # every line checked before the models load
         progress = Progress(args.target, quiet=args.quiet)
         engine = Engine.load(args.target, args.draft, args.device, args.dtype, progress=progress.loading,
                              gpu_memory_gib=args.gpu_memory_gib)
         if applied:
             progress.say(applied)
+        progress.say(f"{len(requests)} requests, at most {args.slots} decoded at once: each says how its prefill "
+                     "and decoding go")
+        runs = {r.key: Progress(args.target, progress.stream, args.quiet).run(r.key, count_tokens=False)
+                for r in requests}
         for tagged in engine.generate_many(requests, args.slots):
+            runs[tagged.key].event(tagged.event)
             if isinstance(tagged.event, Finished):
-                print(json.dumps({"id": tagged.key, **_summary(tagged.event)}), flush=True)
+                runs[tagged.key].say(f"{tagged.key}: finished ({len(requests) - len(runs) + 1} of {len(requests)})")
+                print(_batch_answer(tagged.key, tagged.event, args.json, args.ids), flush=True)
+                del runs[tagged.key]
         return 0
     # compare: autoregressive decoding against the method asked for (auto unless triforce)
     methods = [{}] if args.command == "generate" else \
