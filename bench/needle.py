@@ -3,16 +3,28 @@ retrieval cache vs a StreamingLLM cache of the same budget, greedy and at temper
 the answer holds the passkey. The document is assets/docs/needle.txt, the text of haystack().
 
 python -m bench.needle [--budget 256] [--new-tokens 16] [--drafter model]
+
+With --target (a long-context preset, e.g. qwen2.5-coder-1.5b-128k on a GPU): a needle of its own (an access code,
+not the passkey the tests use) hidden at each depth of the bundled legal and prose documents cut to each length;
+greedy autoregressive decoding answers (quality: is the code in the answer), then at the longest length method auto
+and autoregressive decoding answer sampled (speed: auto over AR, each step's rate). Writes
+bench/results/needle-long-<GPU>.json with summary.real.onchip_speedup_<length>.
+
+python -m bench.needle --target qwen2.5-coder-1.5b-128k [--draft none] [--lengths 30000 64000 100000 124000]
+                       [--depths 0.25 0.6] [--new-tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
 
+import torch
+
 from bench.acceptance import SETTINGS
 from bench.common import DOCS, environment, finish, save
 from core import Engine, GenerationConfig
 from core.cache import LEVEL2_CACHES
+from core.io.prompting import plain_ids
 
 PASSKEY = "68203"
 QUESTION = "What is the pass key?"
@@ -28,13 +40,67 @@ def haystack(lines: int = 240, depth: float = 0.4) -> str:
             "it.\n\n" + FILLER * head + NEEDLE + FILLER * (lines - head))
 
 
+CODE = "7391-KESTREL"  # the long needle: unlike the tests' passkey, and not a number a model may guess
+LONG_QUESTION = "What is the access code for the records archive? Answer with the code."
+LONG_NEEDLE = f"\n\nNote for the records office: the access code for the records archive is {CODE}.\n\n"
+HAYSTACK = ("us_constitution.txt", "us_declaration_of_independence.txt", "gpl-3.0.txt", "LICENSE-PSF-2.0.txt",
+            "pride_and_prejudice.txt")
+
+
+def long_haystack(tok, tokens: int, depth: float) -> str:
+    """The bundled legal and prose documents, repeated and cut to about `tokens` tokens, the needle `depth` of the
+    way in (at a paragraph's end)."""
+    text = "\n\n".join((DOCS / name).read_text() for name in HAYSTACK)
+    ids = plain_ids(tok, text)
+    while len(ids) < tokens:
+        text, ids = text + "\n\n" + text, ids + ids
+    body = tok.decode(ids[:tokens])
+    at = body.rfind("\n\n", 0, int(len(body) * depth)) + 1 or int(len(body) * depth)
+    return body[:at] + LONG_NEEDLE + body[at:]
+
+
+def long_main(args: argparse.Namespace) -> None:
+    """The long-context needle and speed runs of one preset (see the module's docstring)."""
+    engine = Engine.load(args.target, args.draft)
+    rows, speed = [], {}
+    for length in args.lengths:
+        for depth in args.depths:
+            doc = long_haystack(engine.tokenizer, length, depth)
+            fin = finish(engine, doc, LONG_QUESTION, engine.settings(method="ar", greedy=True, max_new_tokens=24))
+            rows.append({"length": length, "depth": depth, "prompt_tokens": fin.stats.prompt_tokens,
+                         "found": CODE in fin.text, "answer": fin.text})
+            print(f"{length:>7} tokens, depth {depth:.0%}: {'found' if CODE in fin.text else 'MISSED'} {fin.text!r}",
+                  flush=True)
+        if length == max(args.lengths):  # the prompt just prefilled is reused: only decoding is timed
+            for method in ("ar", "auto", "triforce"):
+                cfg = engine.settings(method=method, temperature=0.6, top_p=0.9, max_new_tokens=args.new_tokens)
+                s = finish(engine, doc, LONG_QUESTION, cfg).stats
+                speed[method] = {"tokens_per_s": s.tokens_per_s, "level2_acceptance": s.level2_acceptance,
+                                 "plans": s.plans, "new_tokens": s.new_tokens}
+                print(f"{method}: {s.tokens_per_s:.1f} tokens/s, acceptance {s.level2_acceptance:.2f}, "
+                      f"plans {s.plans[:3]}", flush=True)
+    gpu = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
+    longest = max(args.lengths)
+    summary = {f"onchip_speedup_{round(longest / 1000)}k": speed["auto"]["tokens_per_s"] / speed["ar"]["tokens_per_s"]}
+    path = save(f"needle-long-{gpu}", {**environment(), "gpu": gpu, "model": engine.info, "question": LONG_QUESTION,
+                                       "code": CODE, "rows": rows, "speed_at_longest": speed,
+                                       "summary": {"real": summary}})
+    print(f"{sum(r['found'] for r in rows)} of {len(rows)} found; {summary}; saved {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--drafter", default="model")
     p.add_argument("--repetition-penalty", type=float, default=GenerationConfig.repetition_penalty)
+    p.add_argument("--target", help="a long-context preset id: the long needle and speed runs")
+    p.add_argument("--lengths", type=int, nargs="+", default=[30_000, 64_000, 100_000, 124_000])
+    p.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.6])
+    p.add_argument("--draft", help="with --target: its draft model (none: level 1 by prompt lookup alone)")
     args = p.parse_args()
+    if args.target:
+        return long_main(args)
     engine = Engine.load()
     doc = (DOCS / "needle.txt").read_text()
     rows = []

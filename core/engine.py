@@ -92,8 +92,10 @@ class Engine:
         use (enforced; default: all of it); a full KV cache beyond it is offloaded to CPU memory (offload=auto).
         `tp`: this process is a rank of a tensor-parallel group: the models are loaded in CPU memory, the target cut
         to this rank's shard and both moved to tp.device (`device` is ignored; no CUDA graphs). `target` may be a
-        preset id (core/io/presets.py): its models, and its settings as the defaults of generate()."""
+        preset id (core/io/presets.py): its models, its RoPE scaling (unless `rope_scaling` is given; a draft model
+        is scaled alike) and its settings as the defaults of generate()."""
         preset, target, draft = resolve_preset(target, draft)
+        rope_scaling = rope_scaling or (dict(preset.rope_scaling) if preset and preset.rope_scaling else None)
         key = (target, draft, device, dtype, context_length, repr(rope_scaling), cuda_graphs, gpu_memory_gib,
                tp and tp.world)
         if key in _LOADED:
@@ -108,7 +110,7 @@ class Engine:
         if draft:
             if progress:
                 progress(Loading("draft", 0.5))
-            draft_model, draft_name = load_draft(draft, model, tok, src.name, home, dt)
+            draft_model, draft_name = load_draft(draft, model, tok, src.name, home, dt, rope_scaling)
         if tp:
             parallelize(model, draft_model, tp)
         engine = cls.from_models(model, tok, src.name, draft_model, draft_name, context_length,

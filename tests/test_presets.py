@@ -5,6 +5,7 @@ to install what is missing; a preset's settings as the defaults of the engine th
 from __future__ import annotations
 
 import hashlib
+import shutil
 import io
 import os
 import signal
@@ -20,7 +21,7 @@ from core import Engine, GenerationConfig, ModelNotFoundError, TriForceError
 from core.cli.main import main
 from core.events import RetrievalSelection
 from core.io.install import InstallError, PartPackages, install, models_dir
-from core.io.presets import Preset, by_id, resolve_preset
+from core.io.presets import YARN_X4, Preset, by_id, resolve_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = [bytes(range(256)) * 64, b"the middle part " * 1024, b"and the last one" * 100]
@@ -173,3 +174,27 @@ def test_the_embedded_engine_starts_from_its_presets_settings(embedded: Engine) 
         selection = next(e for e in events if isinstance(e, RetrievalSelection))
         events.close()
         assert selection.budget == budget and selection.prompt_tokens > 512
+
+
+def test_a_presets_rope_scaling_extends_its_target_and_its_draft_model(tmp_path: Path, monkeypatch) -> None:
+    """A preset with RoPE scaling (the real pair's 128K one: YaRN ×4) loads its target and its draft model both
+    scaled, so both read as far as the scaled context; the same models without the preset keep their own context.
+    Here two tiny local checkpoints stand in for the real pair (the preset table is the test's own)."""
+    from tests.test_parallel import byte_model_dir
+
+    import core.engine
+    import core.io.presets
+
+    target = byte_model_dir(tmp_path / "target")
+    draft = shutil.copytree(target, tmp_path / "draft")  # one tokenizer, as the real pair's
+    yarn = (("rope_type", "yarn"), ("factor", 4.0), ("original_max_position_embeddings", 1024),
+            ("max_position_embeddings", 4096))
+    table = (Preset("long", "Long (test)", str(target), str(draft), rope_scaling=yarn),)
+    monkeypatch.setattr(core.engine, "resolve_preset", lambda t, d: core.io.presets.resolve_preset(t, d, table))
+    scaled = Engine.load("long", device="cpu", cuda_graphs=False)
+    assert scaled.context_length == 4096 and scaled.target.rotary.rope_type == "yarn"
+    assert scaled.draft.rotary.rope_type == "yarn" and scaled.draft.args.max_position == 4096
+    monkeypatch.undo()  # the project's presets: no preset names these files
+    plain = Engine.load(str(tmp_path / "target"), "none", device="cpu", cuda_graphs=False)
+    assert plain.context_length == 1024 and plain.target.rotary.rope_type == "default"
+    assert YARN_X4[0] == ("rope_type", "yarn") and by_id("qwen2.5-coder-1.5b-128k").rope_scaling == YARN_X4

@@ -245,14 +245,14 @@ def default_draft(target: str | None) -> str | None:
 
 
 def load_draft(source: str, target: Transformer, target_tok, target_name: str, device: torch.device,
-               dtype: torch.dtype) -> tuple[Transformer, str]:
+               dtype: torch.dtype, rope_scaling: dict | None = None) -> tuple[Transformer, str]:
     """A level-1 draft for `target` and its name: a directory written by distill train (its own layers and final
-    norm; the target's embedding and LM head are shared, not copied) or any model load_model takes. A draft made
-    for another tokenizer is refused."""
+    norm; the target's embedding and LM head are shared, not copied) or any model load_model takes (with the
+    target's `rope_scaling`, so that it reads as far). A draft made for another tokenizer is refused."""
     directory = Path(source).expanduser()
     meta = draft_meta(directory)
     if not meta:
-        draft, draft_tok, src = load_model(source, device, dtype)
+        draft, draft_tok, src = load_model(source, device, dtype, rope_scaling)
         check_tokenizers(target_tok, target_name, draft_tok, src.name)
         return draft, src.name
     if meta.get("vocab_sha256") != vocab_digest(target_tok):
