@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from bench.acceptance import SETTINGS
-from bench.common import DOCS, environment, finish, save
+from bench.common import DOCS, earlier_today, environment, finish, result_path, save
 from core import Engine, GenerationConfig
 from core.cache import LEVEL2_CACHES
 from core.io.prompting import plain_ids
@@ -43,6 +43,7 @@ def haystack(lines: int = 240, depth: float = 0.4) -> str:
 CODE = "7391-KESTREL"  # the long needle: unlike the tests' passkey, and not a number a model may guess
 LONG_QUESTION = "What is the access code for the records archive? Answer with the code."
 LONG_NEEDLE = f"\n\nNote for the records office: the access code for the records archive is {CODE}.\n\n"
+SPEED_INSTRUCTION = "Summarise the whole document in detail, part by part."  # a long answer: decoding is timed
 HAYSTACK = ("us_constitution.txt", "us_declaration_of_independence.txt", "gpl-3.0.txt", "LICENSE-PSF-2.0.txt",
             "pride_and_prejudice.txt")
 
@@ -62,29 +63,39 @@ def long_haystack(tok, tokens: int, depth: float) -> str:
 def long_main(args: argparse.Namespace) -> None:
     """The long-context needle and speed runs of one preset (see the module's docstring)."""
     engine = Engine.load(args.target, args.draft)
+    engine.warm_up()  # as the app does before serving: kernels compiled, the cost book filled
+    gpu = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
+    name = f"needle-long-{gpu}"
+    old = earlier_today(result_path(name))  # today's runs of other lengths and depths are kept
     rows, speed = [], {}
     for length in args.lengths:
-        for depth in args.depths:
+        for depth in args.depths if not args.speed_only else args.depths[-1:]:
             doc = long_haystack(engine.tokenizer, length, depth)
+            if args.speed_only:
+                continue
             fin = finish(engine, doc, LONG_QUESTION, engine.settings(method="ar", greedy=True, max_new_tokens=24))
             rows.append({"length": length, "depth": depth, "prompt_tokens": fin.stats.prompt_tokens,
                          "found": CODE in fin.text, "answer": fin.text})
             print(f"{length:>7} tokens, depth {depth:.0%}: {'found' if CODE in fin.text else 'MISSED'} {fin.text!r}",
                   flush=True)
-        if length == max(args.lengths):  # the prompt just prefilled is reused: only decoding is timed
+        if length == max(args.lengths):  # the prompt is prefilled once: only decoding is timed
             for method in ("ar", "auto", "triforce"):
                 cfg = engine.settings(method=method, temperature=0.6, top_p=0.9, max_new_tokens=args.new_tokens)
-                s = finish(engine, doc, LONG_QUESTION, cfg).stats
+                s = finish(engine, doc, SPEED_INSTRUCTION, cfg).stats
                 speed[method] = {"tokens_per_s": s.tokens_per_s, "level2_acceptance": s.level2_acceptance,
                                  "plans": s.plans, "new_tokens": s.new_tokens}
                 print(f"{method}: {s.tokens_per_s:.1f} tokens/s, acceptance {s.level2_acceptance:.2f}, "
                       f"plans {s.plans[:3]}", flush=True)
-    gpu = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
     longest = max(args.lengths)
     summary = {f"onchip_speedup_{round(longest / 1000)}k": speed["auto"]["tokens_per_s"] / speed["ar"]["tokens_per_s"]}
-    path = save(f"needle-long-{gpu}", {**environment(), "gpu": gpu, "model": engine.info, "question": LONG_QUESTION,
-                                       "code": CODE, "rows": rows, "speed_at_longest": speed,
-                                       "summary": {"real": summary}})
+    mine = {(r["length"], r["depth"]) for r in rows}
+    rows = sorted([r for r in old.get("rows", []) if (r["length"], r["depth"]) not in mine] + rows,
+                  key=lambda r: (r["length"], r["depth"]))
+    env = environment()
+    path = save(name, {**env, "commands": old.get("commands", [old["command"]] if old else []) + [env["command"]],
+                       "gpu": gpu, "model": engine.info, "question": LONG_QUESTION, "code": CODE, "rows": rows,
+                       "speed_instruction": SPEED_INSTRUCTION, "speed_at_longest": speed,
+                       "summary": {"real": {**old.get("summary", {}).get("real", {}), **summary}}})
     print(f"{sum(r['found'] for r in rows)} of {len(rows)} found; {summary}; saved {path}")
 
 
@@ -98,6 +109,7 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[30_000, 64_000, 100_000, 124_000])
     p.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.6])
     p.add_argument("--draft", help="with --target: its draft model (none: level 1 by prompt lookup alone)")
+    p.add_argument("--speed-only", action="store_true", help="with --target: the speed runs alone (no needle runs)")
     args = p.parse_args()
     if args.target:
         return long_main(args)
