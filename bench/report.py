@@ -6,7 +6,8 @@ python -m bench.report --check    # exit 1, naming the file, where either differ
 
 The commands shown are the ones recorded in the results, with the paths of the machine that ran them replaced by
 what they held (a preset id such as qwen2.5-coder-1.5b, which the same script accepts) and with the option that
-writes the result file named so that the command writes the file shown.
+names the result file set so that the command writes the file shown (under out/ where it takes a path: only
+--record writes bench/results/).
 """
 
 from __future__ import annotations
@@ -216,11 +217,11 @@ def shown(stem: str | None, command: str) -> str:
     elif stem in EXTRA:
         out += EXTRA[stem]
     elif option == "--out" and "--out" in words:
-        out += ["--out", f"bench/results/{stem}.json"]
+        out += ["--out", f"out/{stem}.json"]  # never over the reference file: copied there to record it
     elif option == "--name" and "--name" in words:
         out += ["--name", stem]
     elif script == "bench.served" and "--out" in words:
-        out += ["--out", f"bench/results/{stem}.json"]
+        out += ["--out", f"out/{stem}.json"]
     elif script == "bench.served" and "--name" in words:
         out += ["--name", stem]
     return " ".join(shlex.quote(w) if not w or re.search(r"[^\w@%+=:,./-]", w) else w for w in out)
@@ -558,8 +559,9 @@ def page(results: dict[str, dict]) -> str:
              "for the model the benchmark machine held under a local path). Random weights at a real model's shape "
              "measure speed, never acceptance: theirs depends on how they were drawn. The CPU results come from a "
              "2-core machine shared with other work, where single runs vary; a CPU's speed depends on its model, which "
-             "results record since 2026-12-07 (older ones say \"model not recorded\"). A command shown writes its "
-             "result under `out/`; only with `--record` does it replace the file named above it.",
+             "results record since 2026-12-07 (older ones say \"model not recorded\"). The commands shown write their "
+             "results under `out/`, never over the file named above them: `--record` records one there (a command "
+             "that names its file with `--out` is recorded by copying that file into `bench/results/`).",
              "Words used below: *AR* is plain autoregressive decoding; *level 1* the small drafter (a small model or "
              "prompt lookup), *level 2* the model reading only its retrieval cache, *level 3* the model on its full "
              "KV cache; *acceptance* the share of a level's proposed tokens that the level above kept; *on chip* the "
