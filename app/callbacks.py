@@ -313,8 +313,10 @@ def stopped_compare(sent: Mapping[str, Any]) -> dict[str, Any]:
     """The Compare tab after Stop, from the last frame its runs sent: the status says stopped (and at which run),
     the stats of runs that had not finished are no longer live, the cost panel no longer waits."""
     runs = sent.get("compare_state")
-    if not isinstance(runs, dict) or all(state.finished for state in runs.values()):
+    if not isinstance(runs, dict):  # nothing had started
         return {"compare_status": f"{STOPPED}. {AGAIN}"}
+    if all(state.finished for state in runs.values()):  # it had finished: its status stands
+        return {"compare_status": sent.get("compare_status")}
     current = next((m for m, state in runs.items() if not state.finished and state.stage != "starting"), None)
     for state in runs.values():
         _stop(state)

@@ -1005,6 +1005,7 @@ def test_a_stopped_run_says_so_its_stats_hold_still_and_the_cost_panel_stops_wai
     frame = callbacks.stopped_compare({"compare_state": runs})
     assert frame["compare_status"].startswith("⏹️ Stopped during the autoregressive run, before the first token")
     assert all("| | stopped |" in frame[f"{method}_stats"] for method in COMPARE_METHODS)
+    assert callbacks.stopped_compare({})["compare_status"].startswith("⏹️ Stopped.")  # before anything started
 
 
 def test_a_lone_visitor_is_not_told_of_a_batch_and_an_auto_run_that_decoded_as_ar_is_called_noise() -> None:
