@@ -81,6 +81,7 @@ from app.inference import SWITCH_INTERVAL_S, ModelLoadError, preset_engine, warm
 from app.layout import build_demo, launch_options  # noqa: E402
 from app.presets import default_preset  # noqa: E402
 from app.service import ServiceError, run_seconds  # noqa: E402
+from core.io.loading import needs_conversion  # noqa: E402
 
 sys.setswitchinterval(SWITCH_INTERVAL_S)  # the engine's thread gets the GIL back soon (app/inference.py says why)
 
@@ -96,8 +97,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     preset = default_preset()
-    print(f"Loading {preset.name} (the first start converts the embedded GGUF once, about a minute on a CPU) ...",
-          flush=True)
+    converting = needs_conversion(preset.sources()[0])  # said only where it happens: later starts load in seconds
+    print(f"Loading {preset.name}" + (" (converting its GGUF into a checkpoint, once: about a minute on a CPU)"
+                                      if converting else "") + " ...", flush=True)
     started = time.monotonic()
     try:  # load the default models up front (on ZeroGPU this must happen at start-up, outside @spaces.GPU)
         preset_engine(preset)

@@ -17,16 +17,18 @@ import gradio as gr
 
 from app.documents import DocumentError, load_samples, read_document
 from app.explainer import CPU_NOTE, engine_table
-from app.figures import HEATMAP_MODES, compare_bars, cost_figure, empty_figure, selection_heatmap
+from app.figures import (COSTS_STOPPED, HEATMAP_MODES, compare_bars, cost_figure, empty_figure,
+                         selection_heatmap)
 from app.inference import (BATCHED, ModelLoadError, OutOfTime, counting_engine, load_engine, loaded_infos,
                            preset_engine, stream_events)
 from app.presets import PRESET_SETTINGS, Preset, panel_overrides, preset_by_name
-from app.refusals import quote, quoted_in, refuse
+from app.refusals import cut, inert, quote, quoted_in, refuse
 from app.service import WAITING_JOBS, Deadline, keep_upload, out_of_time_line, run_seconds
 from app.settings import build_config, parse, widget_args
 from app.state import InLine, RunState, apply_event, budget_share, live_stats, raw_data
-from app.views import (COMPARE_METHODS, SHORT_NAMES, answer_html, document_html, method_name, plan_line, run_heading,
-                       run_label, sharing_line, stats_for, stats_markdown, status_markdown, timeline_html)
+from app.views import (AGAIN, COMPARE_METHODS, SHORT_NAMES, STOPPED, answer_html, document_html, method_name,
+                       plan_line, run_heading, run_label, sharing_line, stats_for, stats_markdown,
+                       status_markdown, stopped_at, timeline_html, what_ran)
 from core import GenerationConfig, TriForceError
 from core.decode import difference_note, first_difference
 from core.config import MAX_SLOTS
@@ -60,13 +62,13 @@ class Throttle:
         return False
 
 
-def choose_sample(title: str | None) -> tuple[str, gr.Dataset, str]:
-    """Load a bundled sample: its text, its example instructions, and the first of them."""
+def choose_sample(title: str | None) -> tuple[str, gr.Dataset, str, str]:
+    """Load a bundled sample: its text, its example instructions, the first of them, and no upload's note."""
     sample = next((s for s in load_samples() if s.title == title), None)
     if sample is None:
         raise refuse(f"Unknown sample {quote(title)}.")
     instructions = list(sample.instructions) or list(GENERIC_INSTRUCTIONS)
-    return sample.read(), gr.Dataset(samples=[[i] for i in instructions]), instructions[0]
+    return sample.read(), gr.Dataset(samples=[[i] for i in instructions]), instructions[0], ""
 
 
 def upload_document(path: str | None, request: gr.Request) -> str:
@@ -82,10 +84,26 @@ def upload_document(path: str | None, request: gr.Request) -> str:
         keep_upload(request.session_hash, path)
 
 
-def leave_sample() -> tuple[None, gr.Dataset, str]:
-    """After an upload: no sample selected, and the instruction and its examples generic ones (a sample's questions
-    are about that sample)."""
-    return None, gr.Dataset(samples=[[i] for i in GENERIC_INSTRUCTIONS]), GENERIC_INSTRUCTIONS[0]
+EMBEDDED_ON_YOURS = ("The embedded 135M model is often wrong about a document of your own, and plain decoding "
+                     "(autoregressive) gives the same answers: TriForce changes the speed, never the answer.")
+
+
+def upload_note(path: str | None, preset_name: Any) -> str:
+    """One line after an upload: the file's name, and where the embedded model answers, that it is often wrong on a
+    visitor's own documents (a larger model's preset says nothing of the kind)."""
+    name = f"📄 **{inert(cut(Path(path).name, 80))}** read into the document." if path else ""
+    try:
+        embedded = _preset(preset_name).target is None
+    except ValueError:
+        embedded = False
+    return " ".join(part for part in (name, EMBEDDED_ON_YOURS if embedded else "") if part)
+
+
+def leave_sample(path: str | None = None, preset_name: Any = None) -> tuple[None, gr.Dataset, str, str]:
+    """After an upload: no sample selected, the instruction and its examples generic ones (a sample's questions are
+    about that sample), and the upload's note (upload_note)."""
+    return (None, gr.Dataset(samples=[[i] for i in GENERIC_INSTRUCTIONS]), GENERIC_INSTRUCTIONS[0],
+            upload_note(path, preset_name))
 
 
 def pick_instruction(sample: list[str] | str) -> str:
@@ -285,9 +303,41 @@ def redraw_heatmap(state: RunState | None, mode: str) -> object:
     return selection_heatmap(state, mode)
 
 
-def stopped() -> str:
-    """Status after the Stop button."""
-    return "⏹️ Stopped. Change anything you like and run again."
+def _stop(state: RunState) -> RunState:
+    """Mark an unfinished run stopped (app.stopping ended it): its figures hold still from now."""
+    if not state.finished and state.stopped_at is None:
+        state.stopped_at = time.monotonic()
+    return state
+
+
+def stopped_triforce(sent: Mapping[str, Any]) -> dict[str, Any]:
+    """The TriForce tab after Stop, from the last frame its run sent: the status says stopped, the stats are no
+    longer live, the cost panel no longer waits for the end."""
+    state = sent.get("run_state")
+    if not isinstance(state, RunState) or state.finished:  # nothing had started, or it had finished already
+        return {"status": status_markdown(state) if isinstance(state, RunState) else f"{STOPPED}. {AGAIN}"}
+    _stop(state)
+    return {"status": status_markdown(state), "stats": stats_markdown(live_stats(state)),
+            "costs": cost_figure([], None, empty=COSTS_STOPPED)}
+
+
+def stopped_compare(sent: Mapping[str, Any]) -> dict[str, Any]:
+    """The Compare tab after Stop, from the last frame its runs sent: the status says stopped (and at which run),
+    the stats of runs that had not finished are no longer live, the cost panel no longer waits."""
+    runs = sent.get("compare_state")
+    if not isinstance(runs, dict):  # nothing had started
+        return {"compare_status": f"{STOPPED}. {AGAIN}"}
+    if all(state.finished for state in runs.values()):  # it had finished: its status stands
+        return {"compare_status": sent.get("compare_status")}
+    current = next((m for m, state in runs.items() if not state.finished and state.stage != "starting"), None)
+    for state in runs.values():
+        _stop(state)
+    at = f" during the {SHORT_NAMES[current]} run, {stopped_at(runs[current])}" if current else ""
+    stats = {method: live_stats(state) for method, state in runs.items()}
+    return {"compare_status": f"{STOPPED}{at}. {AGAIN}",
+            **{f"{method}_stats": stats_markdown(stats[method]) for method in runs},
+            "compare_costs": cost_figure(stats["triforce"]["levels"], stats["triforce"]["tokens_per_target_forward"],
+                                         stats["ar"]["levels"], empty=COSTS_STOPPED)}
 
 
 def comparison_summary(runs: Mapping[str, RunState], greedy: bool) -> tuple[str, dict]:
@@ -300,6 +350,10 @@ def comparison_summary(runs: Mapping[str, RunState], greedy: bool) -> tuple[str,
                 for method, s in stats.items() if method != "ar"}
     parts = [f"{SHORT_NAMES[method]} **{speedup:.2f}×**" for method, speedup in speedups.items() if speedup]
     lines = ["### Decode speed against autoregressive: " + (" · ".join(parts) if parts else "—")]
+    if speedups.get("auto") and what_ran(runs["auto"]) == "autoregressive throughout":
+        lines.append(f"Method auto decoded autoregressively throughout, as the autoregressive run did: its "
+                     f"{speedups['auto']:.2f}× is the noise between two runs of the same steps, not a speed of its "
+                     "own.")
     sharing = [line for line in map(sharing_line, runs.values()) if line]
     if sharing:  # a run decoded beside other visitors' requests went at the batch's pace, not its own
         lines.append(" · ".join(f"{line}." for line in sharing))

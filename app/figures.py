@@ -183,11 +183,16 @@ LEVEL_COLORS = {"level1": "#22c55e", "level2": "#f59e0b", "level3": "#ef4444", "
                 "target": "#9ca3af"}
 
 
-def cost_figure(rows: Sequence[dict], tokens_per_forward: float | None, reference: Sequence[dict] = ()) -> go.Figure:
+COSTS_PENDING = "The cost of each level appears when the run has finished."
+COSTS_STOPPED = "Stopped before the end: the cost of each level is measured over a finished run."
+
+
+def cost_figure(rows: Sequence[dict], tokens_per_forward: float | None, reference: Sequence[dict] = (),
+                empty: str = COSTS_PENDING) -> go.Figure:
     """The finished run's cost per level: milliseconds and MiB read (weights + KV cache) per step, and each level's
-    share of the decode time; `reference` rows (autoregressive) join the first two panels."""
+    share of the decode time; `reference` rows (autoregressive) join the first two panels; `empty` says why none."""
     if not rows:
-        return empty_figure("The cost of each level appears when the run has finished.", height=160)
+        return empty_figure(empty, height=160)
     layout = _grid(("ms / step", "MiB read / step", "% of decode time"), True, 0.07)
     data = []
     every = [*rows, *reference]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping
@@ -13,7 +14,7 @@ from gradio.data_classes import FileData
 from pydantic import ValidationError
 from starlette.middleware import Middleware
 
-from app import callbacks
+from app import callbacks, stopping
 from app.documents import MAX_UPLOAD_BYTES, SAMPLES_DIR, SUPPORTED_SUFFIXES, Sample, load_samples
 from app.explainer import CPU_NOTE, EXPLANATION, python_snippet
 from app.figures import HEATMAP_MODES, cost_figure, empty_figure
@@ -34,6 +35,7 @@ GPU_QUEUE = "gpu"  # one concurrency group for every generation button: the jobs
 CSS = """
 .tl {font-size: 0.8rem; max-height: 16rem; overflow-y: auto}
 .tl-head {margin-bottom: 4px; color: var(--body-text-color-subdued)}
+.tl-legend {white-space: nowrap; overflow-x: auto}
 .tl-rounds {display: flex; flex-wrap: wrap; gap: 5px 7px; align-items: center}
 .tl-round {display: inline-flex; flex-direction: column; gap: 2px}
 .tl-round > span {display: flex; gap: 1px; height: 9px}
@@ -71,17 +73,45 @@ def launch_options() -> dict:
 
 
 def by_name(fn: Callable[[Mapping[str, Any], str], Iterator[dict[str, Any]]],
-            outputs: dict[str, gr.Component]) -> Callable[..., Iterator[list[Any]]]:
-    """A Gradio handler for `fn`: the event's `inputs_kwargs` arrive as one dict by name, with the visitor who sent
-    them (app.service.visitor), and each frame `fn` yields by output name goes out as the list of all outputs, those
-    it leaves out with the value last sent (Gradio rebuilds a component for every output it is told to skip, which
-    costs more than a frame; a plot is postprocessed by its component once, so sending it again is free)."""
+            outputs: dict[str, gr.Component], tab: str,
+            stopped: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Callable[..., Iterator[list[Any]]]:
+    """A Gradio handler for `fn`, the run of `tab`: the event's `inputs_kwargs` arrive as one dict by name, with the
+    visitor who sent them (app.service.visitor), and each frame `fn` yields by output name goes out as the list of all
+    outputs, those it leaves out with the value last sent (Gradio rebuilds a component for every output it is told to
+    skip, which costs more than a frame; a plot is postprocessed by its component once, so sending it again is free).
+    The run is registered for Stop (app.stopping): once stopped, its last frame is `stopped`'s, the words Stop writes,
+    since Gradio sends a run's last frame again when it completes, and that may come after Stop's."""
     def handler(request: gr.Request, **values: Any) -> Iterator[list[Any]]:
-        sent: dict[str, Any] = {}
-        for frame in fn(values, visitor(request.session_hash, request)):
-            sent |= {name: outputs[name].postprocess(value) if isinstance(outputs[name], gr.Plot) else value
-                     for name, value in frame.items()}
-            yield [sent.get(name, gr.skip()) for name in outputs]
+        run = stopping.started(request.session_hash, tab)
+
+        def sent(frame: dict[str, Any]) -> list[Any]:
+            run.sent |= {name: outputs[name].postprocess(value) if isinstance(outputs[name], gr.Plot) else value
+                         for name, value in frame.items()}
+            return [run.sent.get(name, gr.skip()) for name in outputs]
+
+        try:
+            with contextlib.closing(fn(values, visitor(request.session_hash, request))) as frames:
+                for frame in frames:
+                    if run.stop.is_set():  # closing `frames` stops the generation
+                        yield sent(stopped(run.sent))
+                        return
+                    yield sent(frame)
+        finally:
+            stopping.ended(request.session_hash, tab, run)
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
+def stopper(fn: Callable[[Mapping[str, Any]], dict[str, Any]], outputs: dict[str, gr.Component],
+            tab: str) -> Callable[[gr.Request], list[Any]]:
+    """A Gradio handler for `tab`'s Stop: it stops the visitor's run there and, once the run has sent its last frame
+    (or STOP_WAIT_S has passed), sends `fn`'s frame from the run's last one by output name: the words the run's own
+    last frame ends with (by_name), so that whichever comes last, the page says Stopped."""
+    def handler(request: gr.Request) -> list[Any]:
+        run = stopping.stop(request.session_hash, tab)
+        frame = fn(run.sent if run else {})
+        return [frame.get(name, gr.skip()) for name in outputs]
 
     handler.__name__ = fn.__name__
     return handler
@@ -126,10 +156,11 @@ def build_demo() -> gr.Blocks:
                         with gr.Row(equal_height=True):
                             sample = gr.Dropdown([s.title for s in samples], value=first.title if first else None,
                                                  label="Sample document", elem_id="sample", scale=3)
-                            upload = gr.UploadButton("📄 Upload a file", file_types=list(SUPPORTED_SUFFIXES),
-                                                     type="filepath", elem_id="upload", scale=1, min_width=120,
+                            upload = gr.UploadButton("📄 Upload", file_types=list(SUPPORTED_SUFFIXES),
+                                                     type="filepath", elem_id="upload", scale=0, min_width=100,
                                                      size="md")
                         upload.data_model = UploadPayload
+                        uploaded = gr.Markdown(elem_id="upload-note")
                         document = gr.Textbox(first.read() if first else "", label=DOCUMENT_LABEL,
                                               lines=DOCUMENT_LINES, max_lines=DOCUMENT_LINES, elem_id="document")
                         instruction = gr.Textbox(first_instructions[0], label="Instruction", lines=2,
@@ -206,11 +237,12 @@ def build_demo() -> gr.Blocks:
 
         jobs = concurrent_jobs(seats(), BATCHED)  # every admitted job's handler at once in a batch, else one
         inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, **quick, **panel}
-        sample.input(callbacks.choose_sample, sample, [document, examples, instruction], api_name="choose_sample")
+        sample.input(callbacks.choose_sample, sample, [document, examples, instruction, uploaded],
+                     api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document",
                       concurrency_limit=UPLOAD_READERS).success(
-            callbacks.leave_sample, None, [sample, examples, instruction], api_visibility="private",
-            concurrency_limit=None)
+            callbacks.leave_sample, [upload, preset_name], [sample, examples, instruction, uploaded],
+            api_visibility="private", concurrency_limit=None)
         examples.click(callbacks.pick_instruction, examples, instruction, api_visibility="private")
         describe = dict(fn=callbacks.describe_document,
                         inputs=[document, preset_name, panel["budget"], instruction, quick["max_new_tokens"]],
@@ -227,11 +259,13 @@ def build_demo() -> gr.Blocks:
         outputs = {"status": status, "answer": answer, "heatmap": heatmap, "doc_view": doc_view, "stats": stats,
                    "stats_json": stats_json, "timeline": timeline, "costs": costs, "raw_stats": raw_stats,
                    "run_state": run_state}
-        run_event = run.click(by_name(callbacks.run_triforce, outputs),
+        run_event = run.click(by_name(callbacks.run_triforce, outputs, "triforce", callbacks.stopped_triforce),
                               inputs_kwargs={**inputs, "method": method, "heatmap_mode": heatmap_mode},
                               outputs=list(outputs.values()), api_name="triforce", preprocess=False,
                               show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=jobs)
-        stop.click(callbacks.stopped, None, status, cancels=[run_event], api_name="stop", concurrency_limit=None)
+        stopped = {"status": status, "stats": stats, "costs": costs}
+        stop.click(stopper(callbacks.stopped_triforce, stopped, "triforce"), None, list(stopped.values()),
+                   cancels=[run_event], api_name="stop", concurrency_limit=None, show_progress="hidden")
         heatmap_mode.change(callbacks.redraw_heatmap, [run_state, heatmap_mode], heatmap, api_visibility="private",
                             concurrency_limit=None)
 
@@ -239,11 +273,15 @@ def build_demo() -> gr.Blocks:
                       "compare_costs": compare_costs, "compare_json": compare_json, "compare_state": compare_state,
                       **columns}
         outputs = {name: components[name] for name in callbacks.COMPARE_OUTPUTS}
-        compare_event = compare_run.click(by_name(callbacks.run_compare, outputs), inputs_kwargs=inputs,
+        compare_event = compare_run.click(by_name(callbacks.run_compare, outputs, "compare",
+                                                  callbacks.stopped_compare), inputs_kwargs=inputs,
                                           outputs=list(outputs.values()), api_name="compare", preprocess=False,
                                           show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=jobs)
-        compare_stop.click(callbacks.stopped, None, compare_status, cancels=[compare_event], api_name="stop_compare",
-                           concurrency_limit=None)
+        stopped = {name: components[name] for name in ("compare_status", "compare_costs",
+                                                        *(f"{method}_stats" for method in COMPARE_METHODS))}
+        compare_stop.click(stopper(callbacks.stopped_compare, stopped, "compare"), None, list(stopped.values()),
+                           cancels=[compare_event], api_name="stop_compare", concurrency_limit=None,
+                           show_progress="hidden")
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")
         demo.load(callbacks.describe_engines, None, engines, api_visibility="private")
     return serve(demo, GPU_QUEUE, seats())  # seats() decoding at once, a bounded number per visitor (app.service)

@@ -125,6 +125,7 @@ class RunState:
     pieces: list[tuple[str, str]] = field(default_factory=list)  # (text, provenance)
     token_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    stopped_at: float | None = None  # when the visitor's Stop ended the run: its figures hold still from there
     counts: Acceptance = field(default_factory=Acceptance)  # what each level proposed and the next one accepted
     target_forwards: int = 0
     plans: list[PlanChosen] = field(default_factory=list)  # method auto: the hierarchies chosen, in order
@@ -300,7 +301,7 @@ def apply_event(state: RunState, event: Event, now: float | None = None) -> RunS
 
 def estimate(state: RunState, now: float | None = None) -> Stats:
     """The run's figures so far, as the engine's final Stats would give them."""
-    now = time.monotonic() if now is None else now
+    now = state.stopped_at or (time.monotonic() if now is None else now)
     n, counts = len(state.token_ids), state.counts
     decode_s = now - state.prefill_ended if state.prefill_ended is not None else 0.0
     forwards = state.target_forwards
@@ -333,6 +334,7 @@ def live_stats(state: RunState, now: float | None = None) -> dict:
             "drafts_ahead": (s.ahead_kept, s.ahead_made) if s.ahead_made else None,
             "warmup_s": s.warmup_s, "plans": [{"round": p.round, "plan": p.plan, "reason": p.reason}
                                               for p in state.plans], "finished": state.finished,
+            "stopped": state.stopped_at is not None and not state.finished,
             "shared_with": s.shared_with if state.finished else None}
 
 

@@ -29,9 +29,11 @@ OVERLAYS = {"answer": ("colour-answer", "show-rejected"),
 OVERLAY_ALPHA = "55"  # the provenance colours behind the text, translucent
 DOC_VIEW_CHUNKS = 40
 TIMELINE_ITEMS = 120  # the timeline shows at most this many of the latest rounds (and groups of autoregressive steps)
-TIMELINE_LEGEND = ("<i class='ok'></i> kept <i class='no'></i> rejected <i class='skip'></i> discarded after it "
+TIMELINE_LEGEND = ("<i class='ok'></i> kept <i class='no'></i> rejected <i class='skip'></i> discarded "
                    f"<i class='l2'></i> {PROVENANCE['level2'][0]} <i class='l3'></i> {PROVENANCE['level3'][0]} "
-                   "<b class='tl-plan'>▸</b> plan chosen (method auto)")
+                   "<b class='tl-plan'>▸</b> auto's plan")  # one line on a laptop's screen
+STOPPED = "⏹️ Stopped"  # the status a Stop leaves, in both tabs
+AGAIN = "Change anything you like and run again."
 NEWLINE = "⏎"  # a rejected draft's line break, shown as a mark: struck-through blank lines read as gaps in the answer
 
 
@@ -142,8 +144,8 @@ def timeline_html(state: RunState, limit: int = TIMELINE_ITEMS) -> str:
         if trace.round in plans:
             flush()
             plan = plans[trace.round]
-            items.append(f"<b class='tl-plan' title='{html.escape(plan.reason, quote=True)}'>▸ "
-                         f"{html.escape(plan.plan)}</b>")
+            items.append(f"<b class='tl-plan' title='{html.escape(plan_words(plan.reason, state), quote=True)}'>▸ "
+                         f"{html.escape(plan_words(plan.plan, state))}</b>")
         if trace.proposed or trace.steps:
             flush()
             items.append(_round_block(trace))
@@ -154,7 +156,7 @@ def timeline_html(state: RunState, limit: int = TIMELINE_ITEMS) -> str:
     shown = f"{plural(verified, 'round')} with drafts" + (f", the last {limit} items shown" if len(items) > limit
                                                            else "")
     return (f"<div class='tl'><div class='tl-head'>Top: level 3 on the drafted tokens · below: level 2 on the "
-            f"level-1 tokens, step by step · {TIMELINE_LEGEND} · {shown}</div>"
+            f"level-1 tokens, step by step · {shown}</div><div class='tl-head tl-legend'>{TIMELINE_LEGEND}</div>"
             f"<div class='tl-rounds'>{''.join(items[-limit:])}</div></div>")
 
 
@@ -212,7 +214,8 @@ def stats_markdown(stats: dict) -> str:
         ("time to first token (prefill + first round)", _fmt(stats.get("time_to_first_token_s"), "{:.2f} s")),
         ("level-1 acceptance", _fmt(stats.get("level1_acceptance"), "{:.0%}")),
         ("level-2 acceptance (by level 3)", _fmt(stats.get("level2_acceptance"), "{:.0%}")),
-        ("tokens per target forward", _fmt(stats.get("tokens_per_target_forward"), "{:.2f}")),
+        *([] if stats.get("method") == "ar" else  # one a forward by definition: no figure of the method's
+          [("tokens per target forward", _fmt(stats.get("tokens_per_target_forward"), "{:.2f}"))]),
         ("budget / prompt", "100 % (whole prompt)" if budget == 100 else _fmt(budget, "{:.1f} %")),
         ("full KV cache" + (" (in CPU memory, streamed to the GPU)" if stats.get("offloaded") else ""),
          _fmt(stats["cache_bytes"] * mib if stats.get("cache_bytes") else None, "{:.1f} MiB")),
@@ -234,7 +237,8 @@ def stats_markdown(stats: dict) -> str:
         rows.append(("device · dtype", f"{stats['device']} · {stats.get('dtype', '')}"))
     if stats.get("dropped_tokens"):
         rows.append(("tokens dropped (truncated)", f"{stats['dropped_tokens']:,}"))
-    header = "| | " + ("final" if stats.get("finished") else "live") + " |\n|---|---|\n"
+    column = "final" if stats.get("finished") else "stopped" if stats.get("stopped") else "live"
+    header = f"| | {column} |\n|---|---|\n"
     return header + "\n".join(f"| {name} | {value} |" for name, value in rows)
 
 
@@ -316,13 +320,32 @@ def sharing_line(state: RunState) -> str | None:
             "single-request figure")
 
 
+BATCH_WORDS = ((" (batched)", ""), (", batched)", ")"), (" for the batch", ""))  # core's plan words for a batch
+
+
+def shared(state: RunState) -> bool:
+    """Whether the run is known to have decoded beside other requests (its final stats say so)."""
+    return bool(state.final_stats and state.final_stats.shared_with)
+
+
+def plan_words(text: str, state: RunState) -> str:
+    """A plan's name or reason as the run's visitor reads it: the batch's words (core.decode.batch names every plan
+    of the app's batch so) left out unless the run is known to have shared the batch with other requests."""
+    if shared(state):
+        return text
+    for words, instead in BATCH_WORDS:
+        text = text.replace(words, instead)
+    return text
+
+
 def plan_line(state: RunState) -> str | None:
     """One line on what method auto's planner chose and why (None when no planner ran)."""
     if not state.plans:
         return None
     now = state.plans[-1]
-    line = f"🧭 **Method auto** chose **{now.plan}** from round {now.round}: {now.reason}"
-    earlier = [plan.plan for plan in state.plans[:-1]]
+    line = (f"🧭 **Method auto** chose **{plan_words(now.plan, state)}** from round {now.round}: "
+            f"{plan_words(now.reason, state)}")
+    earlier = [plan_words(plan.plan, state) for plan in state.plans[:-1]]
     return line + (f" (before: {' → '.join(earlier)})" if earlier else "")
 
 
@@ -334,11 +357,18 @@ def truncation_line(state: RunState) -> str | None:
             f"{state.dropped_tokens:,} tokens were dropped (beginning and end kept).")
 
 
+def stopped_at(state: RunState) -> str:
+    """Where a run was when it stopped: "after 7 tokens", or the stage before any ("before the first token")."""
+    return f"after {plural(len(state.pieces), 'token')}" if state.pieces else "before the first token"
+
+
 def status_markdown(state: RunState) -> str:
     """One line on what the run is doing, then the planner's choice and a truncation notice where they apply."""
     if state.finished:
         reason = state.final_stats.stop_reason or "done"
-        line = f"✅ Finished ({reason}): {len(state.token_ids)} tokens."
+        line = f"✅ Finished ({reason}): {plural(len(state.token_ids), 'token')}."
+    elif state.stopped_at is not None:
+        line = f"{STOPPED} {stopped_at(state)}. {AGAIN}"
     elif state.stage == "waiting":
         line = (f"⏳ Waiting: {ordinal(state.place)} in line for the batch (up to {plural(state.seats, 'run')} "
                 "decode at once, their prompts read one at a time)")
@@ -348,7 +378,7 @@ def status_markdown(state: RunState) -> str:
     elif state.stage.startswith("loading"):
         line = f"⏳ {state.stage.capitalize()} ({state.load_fraction:.0%})"
     elif state.stage == "decoding":
-        line = f"▶️ Decoding: {len(state.pieces)} tokens"
+        line = f"▶️ Decoding: {plural(len(state.pieces), 'token')}"
     else:
         line = "⏳ Starting…"
     notes = [placement_markdown(state.caches) if state.offloaded else None, plan_line(state), truncation_line(state)]

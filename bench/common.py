@@ -1,5 +1,9 @@
 """Helpers shared by the benchmark scripts: documents cut to a token count, runs, result files; for the GPU parts,
-random models at named shapes, step timings and the per-GPU result file with its summary."""
+random models at named shapes, step timings and the per-GPU result file with its summary.
+
+Every benchmark writes its result file under ./out/; only with --record (`python -m bench.NAME ... --record`) does
+it replace the project's reference figures in bench/results/, which bench.report publishes. A result records the
+command without --record, and the machine: CPU model and threads, GPU, driver and versions."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +33,13 @@ from core.events import Finished, PlanChosen, StepTiming, Verdict
 from core.model import ModelArgs, TorchOps, Transformer
 
 DOCS = Path(__file__).parent.parent / "assets" / "docs"
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results"  # the project's reference figures: written only with --record
+OUT = Path("out")  # where a benchmark writes otherwise (git ignores it), under the directory it runs from
+RECORD_FLAG = "--record"
+# Every benchmark takes --record; it is taken off the command line here, before the benchmark's own parser reads it.
+RECORD = RECORD_FLAG in sys.argv[1:]
+if RECORD:
+    sys.argv.remove(RECORD_FLAG)
 INSTRUCTION = "Summarise what has happened so far, naming the main characters."
 
 
@@ -76,16 +87,50 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def cpu_model() -> str:
+    """The CPU's model as /proc/cpuinfo names it ("AMD EPYC 7B13"), else what the platform says: CPU figures from
+    two machines differ by this, not by the thread count alone."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_driver() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi), or None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def machine() -> dict:
+    """What a result's figures depend on besides the code: the CPU's model and threads, the GPU with its driver and
+    CUDA (where there is one), the versions of Python, torch and transformers."""
+    found = {"python": platform.python_version(), "torch": torch.__version__,
+             "transformers": transformers.__version__, "machine": platform.machine(), "cpu": cpu_model(),
+             "cpu_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        found |= {"gpu": torch.cuda.get_device_name(), "gpu_driver": gpu_driver(), "cuda": torch.version.cuda}
+    return found
+
+
 def environment() -> dict:
-    return {"date": now(), "command": command(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "machine": platform.machine(),
-            "cpu_threads": torch.get_num_threads()}
+    return {"date": now(), "command": command(), **machine()}
 
 
 def result_path(name: str) -> Path:
-    """bench/results/NAME.json: one stable file per benchmark, its newest result (the date is inside; git keeps the
-    earlier ones). NAME says what was measured and where (e.g. real-NVIDIA-H200), never when or at which commit."""
-    return RESULTS / f"{name}.json"
+    """NAME.json under bench/results (with --record: the project's reference figures, which bench.report publishes;
+    one stable file per benchmark, its newest result, the date inside and git keeping the earlier ones), else under
+    ./out, so that measuring one's own machine never replaces them. NAME says what was measured and where (e.g.
+    real-NVIDIA-H200), never when or at which commit."""
+    return (RESULTS if RECORD else OUT) / f"{name}.json"
 
 
 def earlier_today(path: Path) -> dict:
@@ -318,8 +363,7 @@ class GpuResults:
         self.path = Path(out) if out else result_path(name.replace(" ", "-"))
         self.data = earlier_today(self.path)
         cmd, date = command(), now()
-        self.data.update({"command": cmd, "gpu": name, "torch": torch.__version__,
-                          "transformers": transformers.__version__, "date": date})
+        self.data.update({"command": cmd, **machine(), "date": date})
         self.data.setdefault("runs", []).append({"command": cmd, "date": date, "parts": parts})
         self.summary: dict = self.data.setdefault("summary", {})
         self._bandwidth: float | None = None
@@ -358,7 +402,8 @@ def gpu_parser(description: str, parts: list[str], default: list[str]) -> argpar
     p.add_argument("--draft", default=None, help="level-1 draft for the real parts (e.g. assets/draft; default: none)")
     p.add_argument("--budget", type=int, default=4096, help="retrieval budget of the real part")
     p.add_argument("--reselect", default="once", help="re-selection of the real part: once, every_verify or N")
-    p.add_argument("--out", default=None, help="result file (default bench/results/<gpu>.json)")
+    p.add_argument("--out", default=None, help="result file (default out/<gpu>.json; with --record "
+                   "bench/results/<gpu>.json)")
     return p
 
 

@@ -6,14 +6,15 @@ cache in step, and a level-2 step over a full step as method auto measures them 
 autoregressive step, one row on the full cache, the same after it). Each figure is taken with the projections
 through MKL's GEMM (F.linear: "torch", the PyTorch operators) and through oneDNN on packed weights ("cpu",
 core.model.ops.CpuOps, what a CPU engine uses), on all of torch's threads and on one; the variants are interleaved
-in one process and repeated, and the minimum and median of each are printed and saved (bench/results/cpu-steps-*).
+in one process and repeated, and the minimum and median of each are printed and saved (out/cpu-steps.json; with
+--record, the reference figures bench/results/cpu-steps.json).
 
 OpenMP's idle threads are told to sleep (OMP_WAIT_POLICY=PASSIVE, unless the environment sets it) before torch
 loads OpenMP, as the engine does: with OpenMP's default (--openmp-default) they spin, and on a machine whose cores
 other processes keep busy, a forward on 2 threads waited for a descheduled thread at every operator.
 
 python -m bench.cpu_steps [--document us_constitution.txt] [--tokens 7900] [--reps 9] [--rows 1 2 3 7]
-                          [--random-cache] [--openmp-default]
+                          [--random-cache] [--openmp-default] [--record]
 """
 
 from __future__ import annotations

@@ -6,12 +6,14 @@ python -m bench.report --check    # exit 1, naming the file, where either differ
 
 The commands shown are the ones recorded in the results, with the paths of the machine that ran them replaced by
 what they held (a preset id such as qwen2.5-coder-1.5b, which the same script accepts) and with the option that
-writes the result file named so that the command writes the file shown.
+names the result file set so that the command writes the file shown (under out/ where it takes a path: only
+--record writes bench/results/).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shlex
@@ -65,7 +67,10 @@ ABOUT = {
                          "Compare clicks at 8K."),
     "real-NVIDIA-H200": About("Real models, KV cache in CPU memory", "Qwen2.5-Coder-1.5B with its 0.5B sibling as "
                               "draft on three ~30K-token documents, the full KV cache offloaded to CPU memory; each "
-                              "method beside autoregressive decoding in the same process, several sampled runs each."),
+                              "method beside autoregressive decoding in the same process, several sampled runs each. "
+                              "Offloading is the regime of a cache too big for the GPU's memory: these ratios are "
+                              "against AR offloaded too; where the cache fits, compare with AR on the GPU (the next "
+                              "section, named beside each prompt here)."),
     "real-onchip-NVIDIA-H200": About("Real models, on the GPU's memory", "The same pair and documents with the whole "
                                      "KV cache on the GPU."),
     "real-gammas-NVIDIA-H200": About("Real models: draft length sweep", "Level 2 drafting alone at fixed draft "
@@ -177,7 +182,8 @@ def hardware(stem: str, data: dict) -> str:
     if gpu and gpu != "cpu":
         return f"{gpu}, torch {torch}" if torch else gpu
     threads = e.get("cpu_threads")
-    return f"CPU, {threads} threads, torch {torch}" if threads else (f"CPU, torch {torch}" if torch else "—")
+    cpu = f"CPU ({e.get('cpu') or 'model not recorded'})"
+    return ", ".join(part for part in (cpu, threads and f"{threads} threads", torch and f"torch {torch}") if part)
 
 
 def commands(stem: str, data: dict) -> list[str]:
@@ -218,11 +224,11 @@ def shown(stem: str | None, command: str) -> str:
     elif stem in EXTRA:
         out += EXTRA[stem]
     elif option == "--out" and "--out" in words:
-        out += ["--out", f"bench/results/{stem}.json"]
+        out += ["--out", f"out/{stem}.json"]  # never over the reference file: copied there to record it
     elif option == "--name" and "--name" in words:
         out += ["--name", stem]
     elif script == "bench.served" and "--out" in words:
-        out += ["--out", f"bench/results/{stem}.json"]
+        out += ["--out", f"out/{stem}.json"]
     elif script == "bench.served" and "--name" in words:
         out += ["--name", stem]
     return " ".join(shlex.quote(w) if not w or re.search(r"[^\w@%+=:,./-]", w) else w for w in out)
@@ -244,6 +250,20 @@ class Row:
     stem: str
     command: str
     date: str
+    onchip_ar_tok_s: float | None = None  # an offloaded row's AR with its cache on the GPU, where measured
+    random: bool = False  # random weights: the speed holds only at the acceptance they happened to give
+
+    @property
+    def label(self) -> str:
+        """The model, a random-weight row's with the acceptance its speed holds at."""
+        return f"{self.model} (a speed at acceptance {self.acceptance} only)" if self.random else self.model
+
+    @property
+    def where(self) -> str:
+        """Where the full KV cache lives, and for an offloaded row what AR does with it on the GPU."""
+        if self.onchip_ar_tok_s is None:
+            return self.cache
+        return f"{self.cache}; AR with it on the GPU: {figure(self.onchip_ar_tok_s)} tokens/s"
 
 
 def tok_s(runs: list[dict]) -> float:
@@ -259,8 +279,10 @@ def acceptance(runs: list[dict], key: str = "level2_acceptance", what: str = "pr
 
 
 def gpu(data: dict, limit: float | None = None) -> str:
+    """The GPU (held to `limit` GiB), its driver where recorded, and torch."""
     held = f" held to {limit:g} GiB" if limit else ""
-    return f"{data['gpu']}{held} (torch {data['torch']})"
+    driver = f"driver {data['gpu_driver']}, " if data.get("gpu_driver") else ""
+    return f"{data['gpu']}{held} ({driver}torch {data['torch']})"
 
 
 def real_rows(stem: str, data: dict, regime: str, where: str) -> Iterator[Row]:
@@ -285,7 +307,7 @@ def random_rows(stem: str, data: dict) -> Iterator[Row]:
             r = runs[f"{method} sampled"]
             yield Row(gpu(data), "Llama-2-7B shape, random weights", ar["prompt_tokens"], GPU_MEMORY, label,
                       tok_s([ar]), tok_s([r]), ar["ms_per_token"] / r["ms_per_token"], acceptance([r]), stem,
-                      commands(stem, data)[-1], date(data))
+                      commands(stem, data)[-1], date(data), random=True)
     if stem == "offload-NVIDIA-H200":
         names = {"7b": "Llama-2-7B shape, random weights", "8b": "Llama-3.1-8B shape, random weights"}
         for shape, r in data.get("shapes", {}).items():
@@ -296,7 +318,7 @@ def random_rows(stem: str, data: dict) -> Iterator[Row]:
                 if ar and x:
                     yield Row(gpu(data, r["gpu_memory_budget_gib"]), names.get(shape, shape), x["prompt_tokens"],
                               CPU_MEMORY, label, tok_s([ar]), tok_s([x]), ar["ms_per_token"] / x["ms_per_token"],
-                              acceptance([x]), stem, commands(stem, data)[-1], date(data))
+                              acceptance([x]), stem, commands(stem, data)[-1], date(data), random=True)
 
 
 def cpu_rows(stem: str, data: dict) -> Iterator[Row]:
@@ -316,11 +338,21 @@ def cpu_rows(stem: str, data: dict) -> Iterator[Row]:
                   acceptance(runs, "triforce_level2_acceptance", "clicks"), stem, commands(stem, data)[-1], date(data))
 
 
+def onchip_ar(results: dict[str, dict]) -> float | None:
+    """AR's tokens/s with the real pair's cache on the GPU (real-onchip), over its prompts; None where not measured."""
+    prompts = [p["sampled"]["ar"] for p in results.get("real-onchip-NVIDIA-H200", {}).get("onchip", {}).values()]
+    return tok_s(prompts) if prompts else None
+
+
 def headline_rows(results: dict[str, dict]) -> list[Row]:
+    """The README's rows, real weights first (the embedded model on a CPU, the real pair on the GPU, its offloaded
+    rows showing AR on the GPU beside them), then the random weights at real shapes."""
+    offloaded = onchip_ar(results)
     makers: list[tuple[str, Callable[[str, dict], Iterator[Row]]]] = [
         ("cpu-budget1024", cpu_rows), ("served-planner-cpu", cpu_rows),
         ("real-onchip-NVIDIA-H200", lambda s, d: real_rows(s, d, "onchip", GPU_MEMORY)),
-        ("real-NVIDIA-H200", lambda s, d: real_rows(s, d, "offload", CPU_MEMORY)),
+        ("real-NVIDIA-H200", lambda s, d: (dataclasses.replace(row, onchip_ar_tok_s=offloaded)
+                                           for row in real_rows(s, d, "offload", CPU_MEMORY))),
         ("planner-runs-NVIDIA-H200", random_rows), ("offload-NVIDIA-H200", random_rows)]
     return [row for stem, make in makers if stem in results for row in make(stem, results[stem])]
 
@@ -343,15 +375,15 @@ def headline(results: dict[str, dict]) -> str:
     cmds = list(dict.fromkeys(r.command for r in rows))
     lines = list(grid(["hardware", "model", "context", "KV cache in", "method", "AR tokens/s", "method tokens/s",
                        "ratio", "level-2 acceptance", "command", "date"], (
-        [r.hardware, r.model, kilo(r.context), r.cache, r.method, figure(r.ar_tok_s), figure(r.tok_s),
+        [r.hardware, r.label, kilo(r.context), r.where, r.method, figure(r.ar_tok_s), figure(r.tok_s),
          f"{r.ratio:.2f}×", r.acceptance, f"[{cmds.index(r.command) + 1}](#commands)", r.date] for r in rows)))
     notes = ["All runs sampled at temperature 0.6 and top-p 0.9. Tokens/s count decoding only, prefill apart; ratio = "
              "the method's tokens/s over AR's (over several prompts or clicks, each column is the mean of theirs). "
              "Level-2 acceptance = the share of the tokens drafted on the small retrieval cache that the model on its "
-             "full cache kept; random weights measure speed only, and their acceptance says nothing of a trained "
-             "model's.",
-             "<a id=\"commands\"></a>Each command wrote the file after it. Run them from the checkout with "
-             "`.venv/bin/python`; the Qwen2.5-Coder presets need their files installed first "
+             "full cache kept.", *regimes(rows),
+             "<a id=\"commands\"></a>Run them from the checkout with `.venv/bin/python`: each writes its result "
+             "under `out/`, and with `--record` replaces the file after it (the project's reference figures, which "
+             "this table is written from). The Qwen2.5-Coder presets need their files installed first "
              "([docs/real-models.md](docs/real-models.md)), and the GPU rows need a GPU of that size."]
     for note in notes:
         lines += ["", *textwrap.wrap(note, 118, break_on_hyphens=False, break_long_words=False)]
@@ -360,6 +392,27 @@ def headline(results: dict[str, dict]) -> str:
     lines += [f"{i}. `{c}` → [`bench/results/{stems[c]}.json`](bench/results/{stems[c]}.json)"
               for i, c in enumerate(cmds, 1)]
     return "\n".join(lines)
+
+
+def regimes(rows: list[Row]) -> list[str]:
+    """What the offloaded and the random-weight rows do and do not say, with their figures."""
+    notes = []
+    offloaded = [r for r in rows if r.onchip_ar_tok_s is not None]
+    if offloaded:
+        methods = " and ".join(f"{r.method} ({figure(r.tok_s)})" for r in offloaded)
+        notes.append(f"Offloading is the regime of a KV cache too big for the GPU's memory, and an offloaded row's "
+                     f"ratio is against AR offloaded too ({figure(offloaded[0].ar_tok_s)} tokens/s). Where the cache "
+                     f"fits, keep it on the GPU: there AR does {figure(offloaded[0].onchip_ar_tok_s)} tokens/s on "
+                     f"the same GPU, model and prompts, against offloaded {methods}.")
+    drawn = [r for r in rows if r.random]
+    if drawn:
+        accepted = sorted({r.acceptance for r in drawn})
+        ratios = [r.ratio for r in drawn]
+        notes.append(f"Rows with real weights lead. The rows with random weights (at a real model's shape) measure "
+                     f"speed at the acceptance those weights happened to give (level 2: {accepted[0]} to "
+                     f"{accepted[-1]}, nearly every draft kept): their ratios ({min(ratios):.2f}× to "
+                     f"{max(ratios):.2f}×) hold only at that acceptance, which says nothing of a trained model's.")
+    return notes
 
 
 def readme(text: str, results: dict[str, dict]) -> str:
@@ -384,7 +437,7 @@ def numbers(value, prefix: str = "") -> Iterator[tuple[str, str]]:
         yield prefix, f"{value:.4g}" if isinstance(value, float) else f"{value:,}"
 
 
-def section(stem: str, data: dict) -> list[str]:
+def section(stem: str, data: dict, results: dict[str, dict] | None = None) -> list[str]:
     about = ABOUT.get(stem, About(stem, ""))
     what = textwrap.wrap(about.what, 118, break_on_hyphens=False, break_long_words=False)
     lines = [f"## {about.title}", "", *([*what, ""] if what else []),
@@ -392,7 +445,7 @@ def section(stem: str, data: dict) -> list[str]:
     cmds = commands(stem, data)
     if cmds:
         lines += ["```bash", *cmds, "```", ""]
-    table = list(figures(stem, data))
+    table = list(figures(stem, data, results))
     if table:
         lines += table + [""]
     return lines
@@ -409,8 +462,9 @@ def sampling(label: str) -> str:
     return SAMPLED if label.startswith("T") else label
 
 
-def figures(stem: str, data: dict) -> Iterator[str]:
-    """The figures of one result file: a table made for the benchmark where there is one, else its summary."""
+def figures(stem: str, data: dict, results: dict[str, dict] | None = None) -> Iterator[str]:
+    """The figures of one result file: a table made for the benchmark where there is one, else its summary (with
+    `results`, an offloaded real row also shows AR with its cache on the GPU)."""
     if stem.startswith("real-") and any(k in data for k in ("onchip", "offload")) and "summary" in data:
         for regime in ("onchip", "offload"):
             for prompt, result in data.get(regime, {}).items():
@@ -418,7 +472,11 @@ def figures(stem: str, data: dict) -> Iterator[str]:
                 ar = runs["ar"]["ms_per_token"]
                 where = "KV cache on the GPU" if regime == "onchip" else "KV cache in CPU memory"
                 title = f"{prompt.replace('@', ' document, ')} tokens, {where}"
-                yield f"**{title}**: AR {1000 / ar:.0f} tokens/s, {SAMPLED}"
+                onchip = (results or {}).get("real-onchip-NVIDIA-H200", {}).get("onchip", {}).get(prompt)
+                beside = (f" (with the cache on the GPU, where it fits: AR "
+                          f"{1000 / onchip['sampled']['ar']['ms_per_token']:.0f} tokens/s)"
+                          if regime == "offload" and onchip else "")
+                yield f"**{title}**: AR {1000 / ar:.0f} tokens/s{beside}, {SAMPLED}"
                 yield ""
                 yield from grid(["method", "tokens/s", "ratio", "level-1 acc.", "level-2 acc."], (
                     [method, f"{1000 / r['ms_per_token']:.0f}", f"{ar / r['ms_per_token']:.2f}×",
@@ -532,7 +590,10 @@ def page(results: dict[str, dict]) -> str:
              "the machine and date, and the command that wrote it (a preset id such as `qwen2.5-coder-1.5b` stands "
              "for the model the benchmark machine held under a local path). Random weights at a real model's shape "
              "measure speed, never acceptance: theirs depends on how they were drawn. The CPU results come from a "
-             "2-core machine shared with other work, where single runs vary.",
+             "2-core machine shared with other work, where single runs vary; a CPU's speed depends on its model, which "
+             "results record since 2026-12-07 (older ones say \"model not recorded\"). The commands shown write their "
+             "results under `out/`, never over the file named above them: `--record` records one there (a command "
+             "that names its file with `--out` is recorded by copying that file into `bench/results/`).",
              "Words used below: *AR* is plain autoregressive decoding; *level 1* the small drafter (a small model or "
              "prompt lookup), *level 2* the model reading only its retrieval cache, *level 3* the model on its full "
              "KV cache; *acceptance* the share of a level's proposed tokens that the level above kept; *on chip* the "
@@ -546,7 +607,7 @@ def page(results: dict[str, dict]) -> str:
     lines += [f"- [{ABOUT.get(s, About(s, '')).title}](#{anchor(ABOUT.get(s, About(s, '')).title)})" for s in stems]
     lines.append("")
     for s in stems:
-        lines += section(s, results[s])
+        lines += section(s, results[s], results)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -335,9 +335,20 @@ def test_a_rejected_line_break_is_a_visible_mark_and_a_single_round_or_selection
 
 
 def test_upload_leaves_the_sample_and_its_questions_for_generic_ones() -> None:
-    sample, examples, instruction = callbacks.leave_sample()
+    sample, examples, instruction, _ = callbacks.leave_sample()
     assert sample is None and instruction == callbacks.GENERIC_INSTRUCTIONS[0]
     assert examples.raw_samples == [[i] for i in callbacks.GENERIC_INSTRUCTIONS]
+
+
+def test_an_upload_is_named_and_the_embedded_model_said_to_be_often_wrong_on_it_only_where_it_answers() -> None:
+    from app.presets import EMBEDDED, all_presets
+
+    larger = next(preset.name for preset in all_presets() if preset.target is not None)
+    note = callbacks.leave_sample("/tmp/gradio/ab12/my <b>notes.pdf", EMBEDDED)[3]
+    assert "my &#60;b&#62;notes.pdf" in note and callbacks.EMBEDDED_ON_YOURS in note  # named, as text
+    note = callbacks.leave_sample("/tmp/gradio/ab12/notes.pdf", larger)[3]
+    assert "notes.pdf" in note and callbacks.EMBEDDED_ON_YOURS not in note
+    assert callbacks.choose_sample(callbacks.load_samples()[0].title)[3] == ""  # a sample clears the note
 
 
 def test_the_models_table_is_headed_by_the_target_not_an_empty_row() -> None:
@@ -457,7 +468,7 @@ def test_an_autoregressive_table_shows_a_dash_for_what_does_not_apply() -> None:
     table = stats_markdown(live_stats(ar))
     for row in ("level-1 acceptance", "level-2 acceptance (by level 3)", "budget / prompt", "retrieval cache"):
         assert f"| {row} | — |" in table
-    assert "| tokens per target forward | 1.00 |" in table and "| full KV cache | 1.0 MiB |" in table
+    assert "tokens per target forward" not in table and "| full KV cache | 1.0 MiB |" in table  # one by definition
     assert "0 %" not in table and "–" not in table
 
 
@@ -939,3 +950,81 @@ def test_a_waiting_stream_yields_and_its_close_reaches_the_engine(monkeypatch):
     while "stopped" not in seen and time.monotonic() < deadline:
         time.sleep(0.02)
     assert seen.get("stopped") is True
+
+
+def test_stop_and_the_stopped_run_end_on_the_same_words_whichever_arrives_last() -> None:
+    """The cancelled run's last frame, which Gradio sends again when the run completes, once overwrote Stop's status:
+    now a flagged run sends nothing more but Stop's own words, and Stop answers once the run has ended
+    (app.stopping)."""
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    from app.layout import by_name, stopper
+
+    request = SimpleNamespace(session_hash="stop-order", client=None)
+    outputs = {"status": gr.Markdown(), "run_state": gr.State()}
+    sent: list[tuple[str, object]] = []
+    drawing = threading.Event()
+
+    def run(values, visitor):
+        for n in range(100):
+            if n == 2:
+                drawing.set()
+                time.sleep(0.2)  # a frame drawn while Stop comes: dropped, never sent after Stop's words
+            yield {"status": f"frame {n}", "run_state": n}
+
+    def words(last):
+        return {"status": f"Stopped at {last.get('run_state')}"}
+
+    def consume() -> None:
+        for frame in by_name(run, outputs, "triforce", words)(request):
+            sent.append(("run", frame[0]))
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert drawing.wait(5)
+    sent.append(("stop", stopper(words, {"status": outputs["status"]}, "triforce")(request)[0]))
+    consumer.join(5)
+    assert not consumer.is_alive() and sent[-2:] == [("run", "Stopped at 1"), ("stop", "Stopped at 1")], sent
+    assert stopper(words, outputs, "triforce")(request)[0] == "Stopped at None"  # no run streaming: at once
+
+
+def test_a_stopped_run_says_so_its_stats_hold_still_and_the_cost_panel_stops_waiting() -> None:
+    state = RunState(method="triforce")
+    apply_event(state, PromptReady(100, 90, 0, 8192, 64, 8, ["a"] * 13))
+    apply_event(state, tokens_event(["A"], ["level3"], 0))
+    frame = callbacks.stopped_triforce({"run_state": state})
+    assert frame["status"].startswith("⏹️ Stopped after 1 token.") and "| | stopped |" in frame["stats"]
+    assert "Stopped before the end" in frame["costs"].layout.annotations[0].text
+    assert live_stats(state, time.monotonic() + 60)["decode_s"] == live_stats(state)["decode_s"]  # held still
+    from app.views import COMPARE_METHODS
+
+    runs = {method: RunState(method=method) for method in COMPARE_METHODS}
+    apply_event(runs["ar"], PromptReady(100, 90, 0, 8192, 64, 8, ["a"] * 13))
+    frame = callbacks.stopped_compare({"compare_state": runs})
+    assert frame["compare_status"].startswith("⏹️ Stopped during the autoregressive run, before the first token")
+    assert all("| | stopped |" in frame[f"{method}_stats"] for method in COMPARE_METHODS)
+    assert callbacks.stopped_compare({})["compare_status"].startswith("⏹️ Stopped.")  # before anything started
+
+
+def test_a_lone_visitor_is_not_told_of_a_batch_and_an_auto_run_that_decoded_as_ar_is_called_noise() -> None:
+    from app.views import plan_line
+
+    runs = {method: RunState(method=method, batched=True) for method in ("ar", "auto")}
+    apply_event(runs["auto"], PlanChosen(0, "autoregressive (batched)", "γ2 0: 0.00666 tokens/ms for the batch "
+                                         "(autoregressive 0.00666)", "", False, 0, 0))
+    for state in runs.values():
+        apply_event(state, tokens_event(["A", "B"], ["target"] * 2, 0))
+        apply_event(state, Finished("AB", [0, 1], [], Stats(
+            method=state.method, new_tokens=2, prompt_tokens=9, dropped_tokens=0, prefill_s=1.0, prefill_reused=False,
+            decode_s=2.0, tokens_per_s=1.0, time_to_first_token_s=1.5, target_forwards=2,
+            tokens_per_target_forward=1.0)))
+    line = plan_line(runs["auto"])
+    assert "batch" not in line and "**autoregressive** from round 0: γ2 0: 0.00666 tokens/ms (autoregressive" in line
+    summary, _ = callbacks.comparison_summary(runs, greedy=True)
+    assert "decoded autoregressively throughout" in summary and "noise" in summary
+    assert "tokens per target forward" not in stats_markdown(live_stats(runs["ar"]))  # AR: one a forward, always
+    assert "tokens per target forward" in stats_markdown(live_stats(runs["auto"]))
+    runs["auto"].final_stats.shared_with = 2  # beside two other requests: then the batch is named
+    assert "autoregressive (batched)" in plan_line(runs["auto"])

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from core.cli.main import _batch_answer, main
@@ -173,3 +174,18 @@ def test_importing_core_sets_nothing_in_the_process_and_loads_no_torch():
                         "events.Finished.__name__)"], capture_output=True, text=True, timeout=120, env=env,
                        cwd=Path(__file__).parent.parent)
     assert r.stdout.split() == ["Engine", "Finished"], r.stderr
+
+
+def test_the_decoding_bar_counts_its_rate_from_the_end_of_prefill_not_from_the_first_tokens():
+    screen = Terminal()
+    progress = Progress(stream=screen)
+    progress.run("auto").event(PromptReady(900, 900, 0, 1024, 100, 8, []))
+    progress.event(PrefillProgress(899, 899, 9.0, 0))
+    time.sleep(0.2)  # the first round: its tokens come at once, and the answer ends with them
+    progress.event(Tokens([1, 2, 3, 4], ["a", "b", "c", "d"], ["target"] * 4, 0))
+    stats = Stats(method="auto", new_tokens=4, prompt_tokens=900, dropped_tokens=0, prefill_s=9.0,
+                  prefill_reused=False, decode_s=0.2, tokens_per_s=20.0, time_to_first_token_s=9.2, target_forwards=4,
+                  tokens_per_target_forward=1.0)
+    progress.event(Finished("abcd", [1, 2, 3, 4], [], stats))
+    rates = [float(rate) for rate in re.findall(r"auto: decoding: [^\r\n]*?([\d.]+)tok/s", screen.getvalue())]
+    assert rates and max(rates) < 100, rates  # 4 tokens in 0.2 s, never thousands a second

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 
 from bench import report
 
@@ -55,3 +56,34 @@ def test_the_readme_commands_are_the_ones_ci_runs():
     test_command = next(line for line in ci.splitlines() if line.startswith("bash install.sh"))
     assert f"\n{test_command}  " in readme  # the README's line, followed by its comment
     assert "\nbash install.sh && .venv/bin/python app.py " in readme
+
+
+def test_a_benchmark_writes_under_out_and_replaces_the_reference_figures_only_with_record(monkeypatch):
+    from bench import common
+
+    assert not common.RECORD  # pytest's command line has no --record
+    assert common.result_path("cpu-steps") == common.OUT / "cpu-steps.json" and not common.OUT.is_absolute()
+    monkeypatch.setattr(common, "RECORD", True)
+    assert common.result_path("cpu-steps") == report.RESULTS / "cpu-steps.json"
+
+
+def test_a_result_names_the_cpu_model_and_the_report_shows_it():
+    from bench.common import machine
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file() and "model name" in cpuinfo.read_text():
+        named = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("model name"))
+        assert machine()["cpu"] == named.partition(":")[2].strip()
+    assert report.hardware("x", {"cpu": "AMD EPYC 7B13", "cpu_threads": 2, "torch": "2.13"}) == \
+        "CPU (AMD EPYC 7B13), 2 threads, torch 2.13"
+    assert report.hardware("x", {"cpu_threads": 2}) == "CPU (model not recorded), 2 threads"
+
+
+def test_offloaded_rows_show_ar_on_the_gpu_and_random_rows_the_acceptance_their_speed_holds_at():
+    rows = report.headline_rows(report.load())
+    offloaded = [r for r in rows if r.stem == "real-NVIDIA-H200"]
+    assert offloaded and all("AR with it on the GPU: " in r.where for r in offloaded)
+    assert all(r.label.endswith(f"(a speed at acceptance {r.acceptance} only)") for r in rows if r.random)
+    text = report.headline(report.load())
+    assert "Offloading is the regime of a KV cache too big for the GPU's memory" in text
+    assert "Rows with real weights lead" in text and [r.random for r in rows] == sorted(r.random for r in rows)

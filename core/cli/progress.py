@@ -94,6 +94,8 @@ class Progress:
             self.say(f"{prefix}prefill {event.done:,} / {event.total:,} tokens ({event.seconds:.1f} s)")
         if event.done >= event.total:
             self._close()
+            if self.count_tokens:  # decoding's clock starts now: a bar made at the first tokens would show a rate
+                self._bar("decode", f"{prefix}decoding", self.max_new_tokens, 0)  # of thousands of tokens a second
 
     def _bar(self, name: str, description: str, total: int | None, done: int) -> None:
         """A bar on a terminal (none elsewhere: the lines say enough), moved to `done`."""

