@@ -109,6 +109,11 @@ ABOUT = {
                                "PDF built to be slow to read."),
     "served-stop": About("Stop during a prefill (CPU)", "How soon a short run finishes after Stop lands inside a "
                          "long prefill."),
+    "needle-long-NVIDIA-H100-80GB-HBM3": About("A needle at 30K to 124K tokens, the real 128K preset (H100)",
+                                               "Qwen2.5-Coder-1.5B with YaRN ×4 (qwen2.5-coder-1.5b-128k), greedy: "
+                                               "an access code of its own hidden at 25 % and 60 % depth in the "
+                                               "bundled legal and prose documents, cut to each length; is the code "
+                                               "in the answer."),
     "needle": About("Needle in a haystack (CPU)", "Level-2 acceptance with the retrieval cache against a "
                     "StreamingLLM cache of the same size, on a pass key hidden in filler."),
     "retrieval-quality-0.5b-8k": About("How level 2 agrees with level 3, by budget", "The 0.5B on a CPU: per-token "
@@ -509,6 +514,10 @@ def figures(stem: str, data: dict, results: dict[str, dict] | None = None) -> It
                          "tokens per full-cache step"], (
             [sampling(r["setting"]), r["drafter"], f"{r['level1_proposed']:,}", f"{r['level1_accepted']:,}",
              share(r["level1_acceptance"]), f"{r['tokens_per_target_forward']:.2f}"] for r in data["summary"]))
+    elif stem.startswith("needle-long") and "rows" in data:
+        yield from grid(["prompt tokens", "depth", "code found", "answer"], (
+            [f"{r['prompt_tokens']:,}", f"{r['depth']:.0%}", cell(r["found"]), f"`{r['answer'].strip()[:60]}`"]
+            for r in data["rows"]))
     elif isinstance(data.get("summary"), list) and stem.startswith("retrieval-quality"):
         yield from grid(["choice of chunks", "budget", "level-2 acc. (per token)", "greedy agreement",
                          "attention recall"], (
