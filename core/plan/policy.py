@@ -169,10 +169,13 @@ class Auto:
         rows = 1 + (h.gamma1 if h.level1 and h.level2 else 0)
         step, beside = f.level2_step(rows, alone=not h.level1)
         if step is not None and f.level3 is not None:
-            full = f.level3(rows)
+            full, rows_named = f.level3(rows), f"{rows} row{'s' if rows > 1 else ''}"
             more = f" ({beside(rows) / full:.0%} beside level 3's pass)" if h.ahead else ""
-            parts.append(f"a level-2 step of {rows} row{'s' if rows > 1 else ''} costs {step(rows) / full:.0%} of "
-                         f"a full one{more}")
+            if step(rows) >= full:  # a share above 100 % reads as nonsense: say what it means, in milliseconds
+                parts.append(f"level 2 saves nothing here: a step of {rows_named} took {step(rows):.3g} ms against "
+                             f"{full:.3g} ms for a full one (its fixed costs outweigh the cache it skips)")
+            else:
+                parts.append(f"a level-2 step of {rows_named} costs {step(rows) / full:.0%} of a full one{more}")
         if d is not None and d.ms is not None and f.level3 is not None:
             parts.append(f"a level-1 token {d.ms / f.level3(1):.0%} of a full step")
         if h.level1 and not h.level2:
