@@ -10,12 +10,13 @@ from collections import Counter
 import pytest
 import torch
 
+import core.batching
 import core.decode.request
 from core.batching import Request
 from core.config import GenerationConfig, TriForceError
 from core.decode.sampling import residual_distribution, speculative_verify
 from core.engine import Engine
-from core.events import Finished, Tokens
+from core.events import Finished, PrefillProgress, Tokens
 from core.decode.round import Ask, BatchRecord
 from core.plan.estimate import CostBook
 from core.plan.policy import MAX_SWITCHES, BatchAuto
@@ -145,6 +146,33 @@ def test_batched_sampling_is_lossless_and_detects_a_neighbours_residual(monkeypa
         biased, _, _ = counts(BIASED_DRAWS)
     p_biased = chi_square_p(biased, expected, BIASED_DRAWS)
     assert p_biased < 1e-6, f"a neighbour's residual went unnoticed (p={p_biased:.2e})"
+
+
+@pytest.mark.parametrize("round_s", [0.0, 1e9])
+def test_a_newcomers_prefill_between_rounds_is_bounded_by_the_batchs_round_time(engine, prompts, monkeypatch,
+                                                                                 round_s):
+    """While a request decodes, a newcomer's prefill advances between two rounds only for PREFILL_SHARE of the
+    batch's last round's time: with no time to spare, one progress a round (a layer of a chunk on a CPU), so the
+    request decoding keeps its pace; with time to spare, the whole prompt at once. Either way its answer is its
+    single run's (its chunks are the single run's)."""
+    monkeypatch.setattr(core.batching.BatchRun, "round_s", property(lambda self: round_s, lambda self, v: None),
+                        raising=False)
+    cfg = GenerationConfig(**{**BASE, "method": "ar", "greedy": True, "prefill_chunk": 64}).validate()
+    run = core.batching.BatchRun(engine, 2)
+    run.submit(Request("first", ids=prompts[3], config=cfg))
+    run.submit(Request("newcomer", ids=prompts[2], config=cfg))
+    per_step, answers, joined = [], {}, False
+    with torch.no_grad():
+        while run.busy:
+            events = run.step()
+            decoding = any(t.key == "first" and isinstance(t.event, Tokens) for t in events)
+            filled = [t for t in events if t.key == "newcomer" and isinstance(t.event, PrefillProgress)]
+            joined = joined or any(t.event.done >= t.event.total for t in filled)
+            if decoding and filled:
+                per_step.append(len(filled))
+            answers |= {t.key: t.event.token_ids for t in events if isinstance(t.event, Finished)}
+    assert per_step and (max(per_step) == 1 if round_s == 0.0 else len(per_step) == 1 and joined)
+    assert answers["newcomer"] == alone(engine, prompts[2], method="ar", greedy=True, prefill_chunk=64).token_ids
 
 
 def test_a_stopped_request_leaves_and_the_others_finish(engine, prompts):
