@@ -147,7 +147,8 @@ def test_presets_from_environment() -> None:
     assert [p.name for p in all_presets({"TRIFORCE_TARGET": "/models/mine"})][:2] == [CUSTOM, EMBEDDED]
     offline = env_preset({"TRIFORCE_TARGET": "qwen2.5-coder-1.5b"})  # a preset id names the preset
     assert offline.name == "Qwen2.5-Coder-1.5B + 0.5B (32K, offline)" and offline in PRESETS
-    assert [p.name for p in PRESETS if p.files] == [offline.name, "Qwen2.5-Coder-0.5B (32K, offline)"]
+    assert [p.name for p in PRESETS if p.files] == [offline.name, "Qwen2.5-Coder-0.5B (32K, offline)",
+                                                    "Qwen2.5-Coder-1.5B + 0.5B, YaRN ×4 (128K, offline)"]
     targets = {p.target for p in PRESETS if not p.files}
     assert {None, "NousResearch/Yarn-Llama-2-7b-128k", "LargeWorldModel/LWM-Text-Chat-128K",
             "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-7B-Instruct"} == targets
@@ -899,31 +900,24 @@ def test_overlong_document_is_truncated_or_refused(server) -> None:
     assert stats["dropped_tokens"] > 100_000 and "dropped" in status
 
 
-def test_ten_concurrent_sessions_finish_in_queue_order(server, short_doc: str) -> None:
+def test_ten_concurrent_sessions_from_ten_addresses_all_finish(server, short_doc: str) -> None:
+    """Ten visitors, each from an address of its own, click at once: every one is served to the end, none refused
+    and none starved. (Their finishing order is not their arrival order: the first SEATS decode together, several
+    finish in one round, and requests whose handlers start within milliseconds join the batch's line in the order
+    they reach it.)"""
     from gradio_client import Client
     from gradio_client.utils import Status
 
     url, _ = server
-    finished: list[int] = []
-    lock = threading.Lock()
-
-    def record(index: int):
-        def done(*_: object) -> None:
-            with lock:
-                finished.append(index)
-        return done
-
     jobs = []
     for index in range(10):
-        client = Client(url, verbose=False)
-        jobs.append(client.submit(**run_kwargs(short_doc[:400], max_new_tokens=4, seed=index), api_name="/triforce",
-                                  result_callbacks=[record(index)]))
+        client = Client(url, verbose=False, headers={"X-Forwarded-For": f"10.0.0.{index + 1}"})
+        jobs.append(client.submit(**run_kwargs(short_doc[:400], max_new_tokens=4, seed=index), api_name="/triforce"))
         deadline = time.monotonic() + 30
         while jobs[-1].status().code in (Status.STARTING, Status.JOINING_QUEUE) and time.monotonic() < deadline:
-            time.sleep(0.02)  # wait until this session holds its place in the queue before the next one joins
+            time.sleep(0.02)  # this session holds its place in the queue before the next one joins
     results = [job.result(timeout=300) for job in jobs]
     assert all(result[0].startswith("✅ Finished") for result in results)
-    assert finished == list(range(10))
 
 
 def test_a_waiting_stream_yields_and_its_close_reaches_the_engine(monkeypatch):

@@ -225,9 +225,10 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
         browser.close()
 
 
-# Stop says so within a second: 0.1 to 0.3 s measured in the page, from the click to the words, on 2 cores shared
-# with other test runs; the bound leaves that machine some slack
-STOP_WITHIN_MS = 2_000
+# Stop says so within a second on a quiet machine: 0.1 to 0.5 s measured in the page, from the click to the words;
+# beside the suite's other worker (a model test on the same 2 cores) 3.6 s was seen. The fault this guards against
+# never said it (30 s and more), so the bound leaves a loaded machine its slack and still catches it.
+STOP_WITHIN_MS = 10_000
 LATE_S = 1.0  # a cancelled run's late frame would arrive within this; the status must still say Stopped after it
 SAYS = "([selector, words]) => document.querySelector(selector).innerText.includes(words)"
 CLICK = "(selector) => { window.clickedAt = performance.now(); document.querySelector(selector).click(); }"
