@@ -183,7 +183,9 @@ def test_one_visitors_stop_leaves_the_others_run_finishing(url: str, embedded, m
 def test_a_visitor_beyond_the_seats_sees_its_place_in_line_then_runs(url: str, monkeypatch) -> None:
     from tests.test_fair import logs
 
-    monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "4")
+    # the holders' bound: long enough that each is seen decoding on a loaded machine (a 4 s bound once ran out in
+    # the prefill), short enough that the one beyond them is served soon after
+    monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "20")
     holders = [client(url).submit(**run_kwargs(**LONG), api_name="/triforce") for _ in range(SEATS)]
     for job in holders:
         decoding(job)
