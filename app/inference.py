@@ -4,7 +4,8 @@ Off a ZeroGPU Space every visitor's run is a request on one BatchServer per load
 of its own decodes the batch, runs that arrive while it decodes join it at a next round, at most SEATS decode at
 once and the rest wait in line, first come first served. On ZeroGPU the GPU is lent to a worker process only for the
 call of a @spaces.GPU function (at most its duration): no decoding thread can outlive a request there, so runs go one
-at a time, each in its own call, through Gradio's queue (BATCHED false)."""
+at a time, each in its own call, in the order the app's line (app.service.Jobs) gives them their one seat (BATCHED
+false)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ except ImportError:
         return fn
 
 from app.presets import Preset
-from app.service import Deadline
+from app.service import Deadline, Ticket
 from app.state import InLine, typed
 from core import Engine, GenerationConfig, TriForceError
 from core.batching import Request
@@ -183,11 +184,26 @@ def _event_dicts(target: str | None, draft: str | None, document: str, instructi
     yield from _shown(engine.tokenizer, engine.generate(document, instruction, GenerationConfig(**config), stop))
 
 
+@contextlib.contextmanager
+def _turn(ticket: Ticket | None, stop: threading.Event) -> Iterator[None]:
+    """A run alone's turn: its seat in the app's line, first come first (unless `stop` is set while it waits), then
+    the device to itself (_RUN_LOCK: a cancelled run's last step may still be finishing)."""
+    if ticket is not None and not ticket.seat(stop):
+        yield
+        return
+    with _RUN_LOCK:
+        yield
+
+
 def _hand_over(generation: Callable[[], Iterator[dict]], lock: contextlib.AbstractContextManager, stop: threading.Event,
                events: queue.Queue) -> None:
-    """Run a generation (under `lock`) on this thread, handing its event dicts to `events` in batches HANDOVER_S
-    apart (an urgent kind at once) until it ends or `stop` is set; an error goes over as an item, _DONE last."""
+    """Run a generation (under `lock`, unless `stop` was set meanwhile) on this thread, handing its event dicts to
+    `events` in batches HANDOVER_S apart (an urgent kind at once) until it ends or `stop` is set; an error goes over
+    as an item, _DONE last."""
     with lock:
+        if stop.is_set():  # stopped while it waited for its turn: nothing ran
+            events.put(_DONE)
+            return
         stream = generation()
         batch: list = []
         handed = time.monotonic()
@@ -209,32 +225,35 @@ def _hand_over(generation: Callable[[], Iterator[dict]], lock: contextlib.Abstra
 
 
 def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig,
-                  deadline: Deadline | None = None, visitor: str = "visitor") -> Iterator[Event]:
-    """The typed events of one generation: `visitor`'s request on the batch (BATCHED; bad input raises TriForceError
-    here), else a run alone, one at a time. The engine's side runs on a thread of its own and hands events over
-    through a queue, so rendering them never holds decoding up (a generator's consumer would otherwise be timed as
-    decoding), in batches HANDOVER_S apart. While the run waits in the batch's line `deadline`'s clock stops, and
-    once it has waited WAITING_S an InLine says its place (again as it moves up). While no event comes (a long
-    prefill forward, the line), a Waiting comes every WAITING_S, so that the consumer yields and a Stop lands; a
-    closed stream (Stop) ends its generation at the next event, or between two layers of a prefill forward, the
-    others in the batch decoding on. Once `deadline` has passed (asked between two handovers) the generation stops
-    the same way, the events it handed over until then standing, and an OutOfTime comes last unless it had finished."""
+                  deadline: Deadline | None = None, turn: Ticket | None = None) -> Iterator[Event]:
+    """The typed events of one generation: the request of `turn`'s visitor on the batch (BATCHED; bad input raises
+    TriForceError here), else a run alone, one at a time once `turn` has its seat in the app's line. The engine's
+    side runs on a thread of its own and hands events over through a queue, so rendering them never holds decoding
+    up (a generator's consumer would otherwise be timed as decoding), in batches HANDOVER_S apart. While the run
+    waits in line `deadline`'s clock stops, and once it has waited WAITING_S an InLine says its place (again as it
+    moves up). While no event comes (a long prefill forward, the line), a Waiting comes every WAITING_S, so that the
+    consumer yields and a Stop lands; a closed stream (Stop) ends its generation at the next event, or between two
+    layers of a prefill forward, the others in the batch decoding on. Once `deadline` has passed (asked between two
+    handovers) the generation stops the same way, the events it handed over until then standing, and an OutOfTime
+    comes last unless it had finished."""
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
     lock: contextlib.AbstractContextManager = contextlib.nullcontext()
     if BATCHED:
         server = batch_server(preset)
+        visitor = turn.job.visitor if turn else "visitor"
         request = Request(f"{next(_runs)}:{visitor[:40]}", document, instruction, config=config, stop=stop)
         requested = _shown(server.engine.tokenizer, server.submit(request))
         generation, place = (lambda: requested), functools.partial(server.position, request.key)
+        together = server.slots
     else:
         generation = functools.partial(_event_dicts, *preset.sources(), document, instruction, config.to_dict(),
                                        None if ZERO_GPU else stop)
-        lock, place = _RUN_LOCK, lambda: None
+        lock, place, together = _turn(turn, stop), (turn.place if turn else lambda: None), 1
     threading.Thread(target=_hand_over, args=(generation, lock, stop, events), name="triforce-generation",
                      daemon=True).start()
     stopped_in_time = finished = False
-    line = place()  # its place in the batch's line; None once it has a seat
+    line = place()  # its place in line (the batch's, or the app's for a run alone); None once it has a seat
     shown = None  # the place an InLine said last: said once no event came for WAITING_S (a free seat is taken at once)
     if line is not None and deadline is not None:
         deadline.wait()
@@ -254,7 +273,7 @@ def stream_events(preset: Preset, document: str, instruction: str, config: Gener
             if batch is None:
                 if line is not None and line != shown:
                     shown = line
-                    yield InLine(line, server.slots)
+                    yield InLine(line, together)
                 else:
                     yield Waiting()
                 continue
