@@ -251,9 +251,9 @@ def raw_stats_file(state: RunState) -> str:
 
 
 def run_triforce(values: Mapping[str, Any], turn: Ticket | None = None) -> Iterator[dict[str, Any]]:
-    """Stream the generation of the job of `turn` (its place in the app's line; app.service.Jobs) (the method picked: TriForce or auto) from the panel's values by name: frames
-    of status, answer, heatmap, document view, timeline, stats, per-level costs and run state; the full data as a
-    download once it has finished."""
+    """Stream one generation (the method picked: TriForce or auto) from the panel's values by name, for the job of
+    `turn` (its place in the app's line, app.service.Jobs): frames of status, answer, heatmap, document view,
+    timeline, stats, per-level costs and run state; the full data as a download once it has finished."""
     config = _settings(_method(values), values)
     mode = values.get("heatmap_mode") or HEATMAP_MODES[0]
     if mode not in HEATMAP_MODES:
@@ -392,9 +392,9 @@ COMPARE_OUTPUTS = ("compare_status", "verdict", "bars", "compare_costs", "compar
 
 
 def run_compare(values: Mapping[str, Any], turn: Ticket | None = None) -> Iterator[dict[str, Any]]:
-    """The autoregressive decoding of the job of `turn`, TriForce and method auto, one after the other on the same input and seed
-    (each a request of its own in the batch), streamed side by side, by output name (COMPARE_OUTPUTS); each column's
-    heading and bar say what actually ran, the verdict whether each run had the device to itself."""
+    """Autoregressive decoding, TriForce and method auto for the job of `turn`, one after the other on the same input
+    and seed (each a request of its own in the batch), streamed side by side, by output name (COMPARE_OUTPUTS); each
+    column's heading and bar say what actually ran, the verdict whether each run had the device to itself."""
     configs = {method: _settings(method, values) for method in COMPARE_METHODS}
     chosen, document, instruction = _prepare(values)
     configs = dict(zip(configs, _on_device(chosen, *configs.values())))

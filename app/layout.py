@@ -76,13 +76,13 @@ def by_name(fn: Callable[[Mapping[str, Any], Ticket | None], Iterator[dict[str, 
             outputs: dict[str, gr.Component], tab: str,
             stopped: Callable[[Mapping[str, Any]], dict[str, Any]],
             line: Jobs | None = None) -> Callable[..., Iterator[list[Any]]]:
-    """A Gradio handler for `fn`, the run of `tab`: its job first admitted to `line` (app.service.Jobs: refused
-    there in one line past the bounds, released when the handler ends) and the event's `inputs_kwargs` handed to `fn`
-    as one dict by name, with the job's ticket (None without a line), and each frame `fn` yields by output name goes out as the list of all
-    outputs, those it leaves out with the value last sent (Gradio rebuilds a component for every output it is told to
-    skip, which costs more than a frame; a plot is postprocessed by its component once, so sending it again is free).
-    The run is registered for Stop (app.stopping): once stopped, its last frame is `stopped`'s, the words Stop writes,
-    since Gradio sends a run's last frame again when it completes, and that may come after Stop's."""
+    """A Gradio handler for `fn`, the run of `tab`: its job first admitted to `line` (app.service.Jobs: refused there in
+    one line past the bounds, released when the handler ends) and the event's `inputs_kwargs` handed to `fn` as one dict
+    by name, with the job's ticket (None without a line), and each frame `fn` yields by output name goes out as the list
+    of all outputs, those it leaves out with the value last sent (Gradio rebuilds a component for every output it is
+    told to skip, which costs more than a frame; a plot is postprocessed by its component once, so sending it again is
+    free). The run is registered for Stop (app.stopping): once stopped, its last frame is `stopped`'s, the words Stop
+    writes, since Gradio sends a run's last frame again when it completes, and that may come after Stop's."""
     def handler(request: gr.Request, **values: Any) -> Iterator[list[Any]]:
         with (line.admitted(request) if line else contextlib.nullcontext()) as ticket:  # a refusal registers no run
             run = stopping.started(request.session_hash, tab)

@@ -49,7 +49,7 @@ def test_the_line_with_several_seats_admits_until_the_seats_and_the_waiting_are_
                                          "in about 60 s, at most 3 min. Try again then.")
     assert full.wait(4) == "about 2 min, at most 6 min"  # the fifth in line waits for the seats to turn over twice
     assert service.concurrent_jobs(8) == 8 + service.WAITING_JOBS  # every admitted job's handler runs at once
-    assert service.handlers(8) > service.concurrent_jobs(8)  # and more, so that a job past the bounds is refused at once
+    assert service.handlers(8) > service.concurrent_jobs(8)  # and more: a job past the bounds is refused at once
 
 
 def test_a_jobs_clock_stops_while_it_waits_in_line() -> None:
