@@ -149,6 +149,28 @@ def test_a_run_alone_waits_for_its_seat_in_the_apps_line_before_the_engine_start
     assert [event.ids for event in events if isinstance(event, Tokens)] == [[7]] and started.is_set()
 
 
+def test_a_batched_run_shows_the_same_events_typed_as_a_run_alone_hands_over_as_dicts() -> None:
+    """The batch's events reach the page typed, with what the page adds (a proposed token's text, a prompt chunk's
+    text without special tokens) made in one place; a run alone's dicts rebuild the same events."""
+    from app.state import ShownVerdict, typed
+    from core.events import PromptReady, Verdict
+
+    class Tokenizer:
+        """Decodes a token id as its digits in brackets; "<|end|>" is its special token."""
+
+        all_special_tokens = ["<|end|>"]
+
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return f"[{ids[0]}]"
+
+    events = [Verdict(2, 1, [5, 6], 1, 7, False), PromptReady(9, 8, 0, 64, 4, 8, ["a<|end|>", "b"]),
+              Tokens([7], ["x"], ["target"], 0)]
+    typed_events = [inference.shown(Tokenizer(), event) for event in events]
+    assert typed_events[0] == ShownVerdict(2, 1, [5, 6], 1, 7, False, proposed_texts=["[5]", "[6]"])
+    assert typed_events[1].chunk_texts == ["a", "b"] and typed_events[2] is events[2]
+    assert [typed(data) for data in inference._shown(Tokenizer(), events)] == typed_events
+
+
 # ---------------------------------------------------------------- a generation stopped at its bound
 
 
