@@ -2,7 +2,8 @@
 session: a flood from one session is refused job by job while its one run is cut at its time bound, and another
 visitor is served right after that run; many sessions of one address (a proxy on the loopback forwarding it) are
 refused past the address's share while another address is served; a full queue refuses in one line with the wait;
-an admitted job that waits is told its place. Alone: the queue's arithmetic, a generation stopped at its bound with its answer kept, and the
+an admitted job that waits is told its place; a job whose client vanished leaves the line long before its bound.
+Alone: the queue's arithmetic, the app's own line, a generation stopped at its bound with its answer kept, and the
 upload bounds. Order is asserted (who is served when, who is refused), never how many seconds something took."""
 
 from __future__ import annotations
@@ -374,3 +375,44 @@ def test_many_sessions_of_one_address_leave_another_address_served(url: str, mon
     assert other.result(timeout=HANG_S)[0].startswith("✅ Finished")
     assert all(job.result(timeout=HANG_S)[0].startswith("✅ Finished") for job in admitted)
     assert long.result(timeout=HANG_S)[0].startswith("⏱️ Stopped at the time bound of a run (3 s")
+
+
+GONE_CLIENT = """
+import json, sys, time
+from gradio_client import Client
+job = Client(sys.argv[1], verbose=False, headers={"X-Forwarded-For": "10.0.3.1"}).submit(**json.loads(sys.argv[2]),
+                                                                                        api_name="/triforce")
+while not job.outputs():
+    time.sleep(0.02)
+print("running", flush=True)
+time.sleep(600)
+"""  # a visitor whose run has started, then its process is killed: its connection goes without a Stop
+
+
+def test_a_visitor_whose_connection_goes_leaves_the_line_at_once(url: str, monkeypatch) -> None:
+    """A job leaves the app's line when its handler ends, however it ends: a run whose client vanished (killed, no
+    Stop) frees the only place long before its time bound, and another visitor is admitted."""
+    import json
+    import subprocess
+    import sys
+
+    from gradio_client.exceptions import AppError
+
+    monkeypatch.setattr(service, "WAITING_JOBS", 0)  # one place in all: the run that holds it refuses every other
+    monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "300")
+    gone = subprocess.Popen([sys.executable, "-c", GONE_CLIENT, url, json.dumps(run_kwargs(**LONG))],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert gone.stdout.readline().strip() == "running"
+    finally:
+        gone.kill()
+        gone.wait()
+    killed = time.monotonic()
+    while True:
+        try:
+            assert client(url, "10.0.3.2").predict(**run_kwargs(), api_name="/triforce")[0].startswith("✅ Finished")
+            break
+        except AppError as refused:
+            assert str(refused).startswith("The queue is full")
+            assert time.monotonic() - killed < 200, "the vanished run held its place until its bound"
+            time.sleep(0.5)
