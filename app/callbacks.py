@@ -23,7 +23,7 @@ from app.inference import (BATCHED, ModelLoadError, OutOfTime, counting_engine, 
                            preset_engine, stream_events)
 from app.presets import PRESET_SETTINGS, Preset, panel_overrides, preset_by_name
 from app.refusals import cut, inert, quote, quoted_in, refuse
-from app.service import WAITING_JOBS, Deadline, keep_upload, out_of_time_line, run_seconds
+from app.service import WAITING_JOBS, Deadline, Ticket, keep_upload, out_of_time_line, run_seconds
 from app.settings import build_config, parse, widget_args
 from app.state import InLine, RunState, apply_event, budget_share, live_stats, raw_data
 from app.views import (AGAIN, COMPARE_METHODS, SHORT_NAMES, STOPPED, answer_html, document_html, method_name,
@@ -213,12 +213,12 @@ def _prepare(values: Mapping[str, Any]) -> tuple[Preset, str, str]:
 
 
 def _stream(preset: Preset, document: str, instruction: str, config: GenerationConfig, state: RunState,
-            deadline: Deadline | None = None, visitor: str = "visitor") -> Iterator[Event]:
-    """Fold the engine's events for `visitor` into `state` and yield each; engine errors become gr.Error; once
+            deadline: Deadline | None = None, turn: Ticket | None = None) -> Iterator[Event]:
+    """Fold the engine's events for the job of `turn` into `state` and yield each; engine errors become gr.Error; once
     `deadline` has passed the generation stops, an OutOfTime last (app.inference.stream_events). The status line
     says what the run is doing (Gradio's own progress overlay is left off: one place for it)."""
     try:
-        for event in stream_events(preset, document, instruction or "", config, deadline, visitor):
+        for event in stream_events(preset, document, instruction or "", config, deadline, turn):
             apply_event(state, event)
             if isinstance(event, PromptReady) and event.dropped_tokens:
                 gr.Warning(f"The document is longer than the context ({event.context_length:,} tokens): "
@@ -250,10 +250,10 @@ def raw_stats_file(state: RunState) -> str:
     return f.name
 
 
-def run_triforce(values: Mapping[str, Any], visitor: str = "visitor") -> Iterator[dict[str, Any]]:
-    """Stream `visitor`'s generation (the method picked: TriForce or auto) from the panel's values by name: frames
-    of status, answer, heatmap, document view, timeline, stats, per-level costs and run state; the full data as a
-    download once it has finished."""
+def run_triforce(values: Mapping[str, Any], turn: Ticket | None = None) -> Iterator[dict[str, Any]]:
+    """Stream one generation (the method picked: TriForce or auto) from the panel's values by name, for the job of
+    `turn` (its place in the app's line, app.service.Jobs): frames of status, answer, heatmap, document view,
+    timeline, stats, per-level costs and run state; the full data as a download once it has finished."""
     config = _settings(_method(values), values)
     mode = values.get("heatmap_mode") or HEATMAP_MODES[0]
     if mode not in HEATMAP_MODES:
@@ -267,7 +267,7 @@ def run_triforce(values: Mapping[str, Any], visitor: str = "visitor") -> Iterato
            "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": document_html(state),
            "timeline": timeline_html(state), "stats": "", "stats_json": {}, "costs": cost_figure([], None),
            "raw_stats": None, "run_state": state}
-    for event in _stream(chosen, document, instruction, config, state, deadline, visitor):
+    for event in _stream(chosen, document, instruction, config, state, deadline, turn):
         if isinstance(event, OutOfTime):
             yield triforce_frame(state, mode, True) | {"status": out_of_time_line(deadline.seconds, len(state.pieces))}
             return
@@ -391,10 +391,10 @@ COMPARE_OUTPUTS = ("compare_status", "verdict", "bars", "compare_costs", "compar
                    *(f"{method}_timeline" for method in COMPARE_METHODS if method != "ar"))
 
 
-def run_compare(values: Mapping[str, Any], visitor: str = "visitor") -> Iterator[dict[str, Any]]:
-    """`visitor`'s autoregressive decoding, TriForce and method auto, one after the other on the same input and seed
-    (each a request of its own in the batch), streamed side by side, by output name (COMPARE_OUTPUTS); each column's
-    heading and bar say what actually ran, the verdict whether each run had the device to itself."""
+def run_compare(values: Mapping[str, Any], turn: Ticket | None = None) -> Iterator[dict[str, Any]]:
+    """Autoregressive decoding, TriForce and method auto for the job of `turn`, one after the other on the same input
+    and seed (each a request of its own in the batch), streamed side by side, by output name (COMPARE_OUTPUTS); each
+    column's heading and bar say what actually ran, the verdict whether each run had the device to itself."""
     configs = {method: _settings(method, values) for method in COMPARE_METHODS}
     chosen, document, instruction = _prepare(values)
     configs = dict(zip(configs, _on_device(chosen, *configs.values())))
@@ -425,7 +425,7 @@ def run_compare(values: Mapping[str, Any], visitor: str = "visitor") -> Iterator
     plot_gate = Throttle(PLOT_INTERVAL_S)
     for method in runs:
         state = runs[method]
-        for event in _stream(chosen, document, instruction, configs[method], state, deadline, visitor):
+        for event in _stream(chosen, document, instruction, configs[method], state, deadline, turn):
             if isinstance(event, OutOfTime):
                 yield frame(f"{method_name(state)}: {out_of_time_line(deadline.seconds, len(state.pieces))}")
                 return

@@ -4,7 +4,8 @@ Off a ZeroGPU Space every visitor's run is a request on one BatchServer per load
 of its own decodes the batch, runs that arrive while it decodes join it at a next round, at most SEATS decode at
 once and the rest wait in line, first come first served. On ZeroGPU the GPU is lent to a worker process only for the
 call of a @spaces.GPU function (at most its duration): no decoding thread can outlive a request there, so runs go one
-at a time, each in its own call, through Gradio's queue (BATCHED false)."""
+at a time, each in its own call, in the order the app's line (app.service.Jobs) gives them their one seat (BATCHED
+false)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, fields, replace
 
 try:  # ZeroGPU: the `spaces` package must be imported before torch; off a Space its decorator does nothing.
     import spaces
@@ -30,12 +31,12 @@ except ImportError:
         return fn
 
 from app.presets import Preset
-from app.service import Deadline
-from app.state import InLine, typed
+from app.service import Deadline, Ticket
+from app.state import InLine, ShownVerdict, typed
 from core import Engine, GenerationConfig, TriForceError
 from core.batching import Request
 from core.config import SEATS
-from core.events import Event
+from core.events import Event, Finished, PromptReady, Verdict
 from core.io import gpu_memory_gib, note_gpu_only
 from core.serving import BatchServer
 
@@ -159,19 +160,23 @@ def _special_tokens(tokenizer) -> re.Pattern:
     return re.compile("|".join(map(re.escape, sorted(tokenizer.all_special_tokens, key=len, reverse=True))))
 
 
+def shown(tokenizer, event: Event) -> Event:
+    """An engine event as the page shows it: a Verdict with the text of each proposed token (ShownVerdict), for
+    showing rejected drafts; special tokens left out of every text (the prompt's chunks included)."""
+    if isinstance(event, Verdict):
+        texts = [tokenizer.decode([token], skip_special_tokens=True) for token in event.proposed]
+        return ShownVerdict(**{f.name: getattr(event, f.name) for f in fields(Verdict)}, proposed_texts=texts)
+    if isinstance(event, PromptReady):
+        specials = _special_tokens(tokenizer)
+        return replace(event, chunk_texts=[specials.sub("", text) for text in event.chunk_texts])
+    return event
+
+
 def _shown(tokenizer, events: Iterable[Event]) -> Iterator[dict]:
-    """Generation events as plain dicts (safe to pickle out of a ZeroGPU worker); a Verdict also carries the text of
-    each proposed token (`proposed_texts`), for showing rejected drafts; special tokens are left out of every text
-    (the prompt's chunks included)."""
+    """Generation events as `shown` makes them, as plain dicts (safe to pickle out of a ZeroGPU worker; a
+    ShownVerdict crosses as a Verdict with its texts, app.state.typed)."""
     for event in events:
-        data = event.to_dict()
-        if data["kind"] == "Verdict":
-            data["proposed_texts"] = [tokenizer.decode([token], skip_special_tokens=True)
-                                      for token in data["proposed"]]
-        elif data["kind"] == "PromptReady":
-            specials = _special_tokens(tokenizer)
-            data["chunk_texts"] = [specials.sub("", text) for text in data["chunk_texts"]]
-        yield data
+        yield shown(tokenizer, event).to_dict() | {"kind": type(event).__name__}
 
 
 @gpu
@@ -183,11 +188,26 @@ def _event_dicts(target: str | None, draft: str | None, document: str, instructi
     yield from _shown(engine.tokenizer, engine.generate(document, instruction, GenerationConfig(**config), stop))
 
 
+@contextlib.contextmanager
+def _turn(ticket: Ticket | None, stop: threading.Event) -> Iterator[None]:
+    """A run alone's turn: its seat in the app's line, first come first (unless `stop` is set while it waits), then
+    the device to itself (_RUN_LOCK: a cancelled run's last step may still be finishing)."""
+    if ticket is not None and not ticket.seat(stop):
+        yield
+        return
+    with _RUN_LOCK:
+        yield
+
+
 def _hand_over(generation: Callable[[], Iterator[dict]], lock: contextlib.AbstractContextManager, stop: threading.Event,
                events: queue.Queue) -> None:
-    """Run a generation (under `lock`) on this thread, handing its event dicts to `events` in batches HANDOVER_S
-    apart (an urgent kind at once) until it ends or `stop` is set; an error goes over as an item, _DONE last."""
+    """Run a generation (under `lock`, unless `stop` was set meanwhile) on this thread, handing its event dicts to
+    `events` in batches HANDOVER_S apart (an urgent kind at once) until it ends or `stop` is set; an error goes over
+    as an item, _DONE last."""
     with lock:
+        if stop.is_set():  # stopped while it waited for its turn: nothing ran
+            events.put(_DONE)
+            return
         stream = generation()
         batch: list = []
         handed = time.monotonic()
@@ -209,63 +229,89 @@ def _hand_over(generation: Callable[[], Iterator[dict]], lock: contextlib.Abstra
 
 
 def stream_events(preset: Preset, document: str, instruction: str, config: GenerationConfig,
-                  deadline: Deadline | None = None, visitor: str = "visitor") -> Iterator[Event]:
-    """The typed events of one generation: `visitor`'s request on the batch (BATCHED; bad input raises TriForceError
-    here), else a run alone, one at a time. The engine's side runs on a thread of its own and hands events over
-    through a queue, so rendering them never holds decoding up (a generator's consumer would otherwise be timed as
-    decoding), in batches HANDOVER_S apart. While the run waits in the batch's line `deadline`'s clock stops, and
-    once it has waited WAITING_S an InLine says its place (again as it moves up). While no event comes (a long
-    prefill forward, the line), a Waiting comes every WAITING_S, so that the consumer yields and a Stop lands; a
-    closed stream (Stop) ends its generation at the next event, or between two layers of a prefill forward, the
-    others in the batch decoding on. Once `deadline` has passed (asked between two handovers) the generation stops
-    the same way, the events it handed over until then standing, and an OutOfTime comes last unless it had finished."""
-    events: queue.Queue = queue.Queue()
+                  deadline: Deadline | None = None, turn: Ticket | None = None) -> Iterator[Event]:
+    """The typed events of one generation: the request of `turn`'s visitor on the batch (BATCHED: its events read
+    from the batch's own stream as its thread makes them; bad input raises TriForceError here), else a run alone,
+    one at a time once `turn` has its seat in the app's line, on a thread of its own that hands its events over
+    (_hand_over: the dicts a ZeroGPU worker sends). Either way rendering them never holds decoding up (a generator's
+    consumer would otherwise be timed as decoding). While the run waits in line `deadline`'s clock stops, and once
+    it has waited WAITING_S an InLine says its place (again as it moves up). While no event comes (a long prefill
+    forward, the line), a Waiting comes every WAITING_S, so that the consumer yields and a Stop lands; a closed
+    stream (Stop) ends its generation at the next event, or between two layers of a prefill forward, the others in
+    the batch decoding on. Once `deadline` has passed (asked at each event and each Waiting) the generation stops
+    the same way, the events it made until then standing, and an OutOfTime comes last unless it had finished."""
     stop = threading.Event()
-    lock: contextlib.AbstractContextManager = contextlib.nullcontext()
     if BATCHED:
         server = batch_server(preset)
+        visitor = turn.job.visitor if turn else "visitor"
         request = Request(f"{next(_runs)}:{visitor[:40]}", document, instruction, config=config, stop=stop)
-        requested = _shown(server.engine.tokenizer, server.submit(request))
-        generation, place = (lambda: requested), functools.partial(server.position, request.key)
-    else:
-        generation = functools.partial(_event_dicts, *preset.sources(), document, instruction, config.to_dict(),
-                                       None if ZERO_GPU else stop)
-        lock, place = _RUN_LOCK, lambda: None
-    threading.Thread(target=_hand_over, args=(generation, lock, stop, events), name="triforce-generation",
-                     daemon=True).start()
+        events = _shown_typed(server.engine.tokenizer, server.submit(request, idle=WAITING_S))
+        try:
+            yield from _followed(events, stop, functools.partial(server.position, request.key), server.slots,
+                                 deadline)
+        finally:
+            trim_host_memory()
+        return
+    handed: queue.Queue = queue.Queue()
+    generation = functools.partial(_event_dicts, *preset.sources(), document, instruction, config.to_dict(),
+                                   None if ZERO_GPU else stop)
+    threading.Thread(target=_hand_over, args=(generation, _turn(turn, stop), stop, handed),
+                     name="triforce-generation", daemon=True).start()
+    yield from _followed(_taken(handed), stop, turn.place if turn else lambda: None, 1, deadline)
+
+
+def _shown_typed(tokenizer, events: Iterator[Event | None]) -> Generator[Event | None, None, None]:
+    """The batch's events of one request as `shown` makes them (None: none came for a while); closing this closes
+    `events`, which takes the request out of the batch."""
+    with contextlib.closing(events):
+        for event in events:
+            yield None if event is None else shown(tokenizer, event)
+
+
+def _taken(handed: queue.Queue) -> Generator[Event | Exception | None, None, None]:
+    """The events a run alone hands over (_hand_over), typed again, one by one (None: none came for WAITING_S)."""
+    while True:
+        try:
+            batch = handed.get(timeout=WAITING_S)
+        except queue.Empty:
+            yield None
+            continue
+        if batch is _DONE:
+            return
+        yield from (item if isinstance(item, Exception) else typed(item) for item in batch)
+
+
+def _followed(events: Generator[Event | Exception | None, None, None], stop: threading.Event,
+              place: Callable[[], int | None], together: int, deadline: Deadline | None) -> Iterator[Event]:
+    """The generation's `events` for its consumer (stream_events says what comes when): `place` says where it waits
+    in line (None once it has a seat, `together` decoding at once), `stop` ends the generation."""
     stopped_in_time = finished = False
-    line = place()  # its place in the batch's line; None once it has a seat
-    shown = None  # the place an InLine said last: said once no event came for WAITING_S (a free seat is taken at once)
+    line = place()  # its place in line (the batch's, or the app's for a run alone); None once it has a seat
+    shown_place = None  # the place an InLine said last: said once no event came for WAITING_S (a seat is taken at once)
     if line is not None and deadline is not None:
         deadline.wait()
     try:
-        while True:
+        for event in events:
             if not stopped_in_time and deadline is not None and deadline.passed():
-                stop.set()  # the generation stops at its next event or prefill layer; what it handed over stands
+                stop.set()  # the generation stops at its next event or prefill layer; what it made until then stands
                 stopped_in_time = True
-            try:
-                batch = events.get(timeout=WAITING_S)
-            except queue.Empty:
-                batch = None
-            if line is not None:  # its first events, or the server, say when it has its seat
-                line = None if batch is not None else place()
+            if line is not None:  # its first events, or the line, say when it has its seat
+                line = None if event is not None else place()
                 if line is None and deadline is not None:
                     deadline.go()
-            if batch is None:
-                if line is not None and line != shown:
-                    shown = line
-                    yield InLine(line, server.slots)
+            if event is None:
+                if line is not None and line != shown_place:
+                    shown_place = line
+                    yield InLine(line, together)
                 else:
                     yield Waiting()
                 continue
-            if batch is _DONE:
-                break
-            for item in batch:
-                if isinstance(item, Exception):
-                    raise item
-                finished = finished or item["kind"] == "Finished"
-                yield typed(item)
+            if isinstance(event, Exception):
+                raise event
+            finished = finished or isinstance(event, Finished)
+            yield event
         if stopped_in_time and not finished:
             yield OutOfTime()
     finally:
         stop.set()
+        events.close()

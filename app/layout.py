@@ -20,7 +20,7 @@ from app.explainer import CPU_NOTE, EXPLANATION, python_snippet
 from app.figures import HEATMAP_MODES, cost_figure, empty_figure
 from app.inference import BATCHED, ZERO_GPU, seats
 from app.presets import PRESET_SETTINGS, all_presets, default_preset, panel_overrides
-from app.service import UploadBudget, concurrent_jobs, serve, visitor
+from app.service import Jobs, Ticket, UploadBudget, handlers, serve
 from app.settings import build_panel, method_widget, widget_args
 from app.state import RunState
 from app.views import COLOURS, COMPARE_METHODS, answer_html, document_html, overlay_css, run_heading
@@ -72,32 +72,35 @@ def launch_options() -> dict:
             "app_kwargs": {"middleware": [Middleware(UploadBudget)]}}
 
 
-def by_name(fn: Callable[[Mapping[str, Any], str], Iterator[dict[str, Any]]],
+def by_name(fn: Callable[[Mapping[str, Any], Ticket | None], Iterator[dict[str, Any]]],
             outputs: dict[str, gr.Component], tab: str,
-            stopped: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Callable[..., Iterator[list[Any]]]:
-    """A Gradio handler for `fn`, the run of `tab`: the event's `inputs_kwargs` arrive as one dict by name, with the
-    visitor who sent them (app.service.visitor), and each frame `fn` yields by output name goes out as the list of all
-    outputs, those it leaves out with the value last sent (Gradio rebuilds a component for every output it is told to
-    skip, which costs more than a frame; a plot is postprocessed by its component once, so sending it again is free).
-    The run is registered for Stop (app.stopping): once stopped, its last frame is `stopped`'s, the words Stop writes,
-    since Gradio sends a run's last frame again when it completes, and that may come after Stop's."""
+            stopped: Callable[[Mapping[str, Any]], dict[str, Any]],
+            line: Jobs | None = None) -> Callable[..., Iterator[list[Any]]]:
+    """A Gradio handler for `fn`, the run of `tab`: its job first admitted to `line` (app.service.Jobs: refused there in
+    one line past the bounds, released when the handler ends) and the event's `inputs_kwargs` handed to `fn` as one dict
+    by name, with the job's ticket (None without a line), and each frame `fn` yields by output name goes out as the list
+    of all outputs, those it leaves out with the value last sent (Gradio rebuilds a component for every output it is
+    told to skip, which costs more than a frame; a plot is postprocessed by its component once, so sending it again is
+    free). The run is registered for Stop (app.stopping): once stopped, its last frame is `stopped`'s, the words Stop
+    writes, since Gradio sends a run's last frame again when it completes, and that may come after Stop's."""
     def handler(request: gr.Request, **values: Any) -> Iterator[list[Any]]:
-        run = stopping.started(request.session_hash, tab)
+        with (line.admitted(request) if line else contextlib.nullcontext()) as ticket:  # a refusal registers no run
+            run = stopping.started(request.session_hash, tab)
 
-        def sent(frame: dict[str, Any]) -> list[Any]:
-            run.sent |= {name: outputs[name].postprocess(value) if isinstance(outputs[name], gr.Plot) else value
-                         for name, value in frame.items()}
-            return [run.sent.get(name, gr.skip()) for name in outputs]
+            def sent(frame: dict[str, Any]) -> list[Any]:
+                run.sent |= {name: outputs[name].postprocess(value) if isinstance(outputs[name], gr.Plot) else value
+                             for name, value in frame.items()}
+                return [run.sent.get(name, gr.skip()) for name in outputs]
 
-        try:
-            with contextlib.closing(fn(values, visitor(request.session_hash, request))) as frames:
-                for frame in frames:
-                    if run.stop.is_set():  # closing `frames` stops the generation
-                        yield sent(stopped(run.sent))
-                        return
-                    yield sent(frame)
-        finally:
-            stopping.ended(request.session_hash, tab, run)
+            try:
+                with contextlib.closing(fn(values, ticket)) as frames:
+                    for frame in frames:
+                        if run.stop.is_set():  # closing `frames` stops the generation
+                            yield sent(stopped(run.sent))
+                            return
+                        yield sent(frame)
+            finally:
+                stopping.ended(request.session_hash, tab, run)
 
     handler.__name__ = fn.__name__
     return handler
@@ -235,7 +238,8 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("## Models, device and versions")
                 engines = gr.Markdown(elem_id="engines")
 
-        jobs = concurrent_jobs(seats(), BATCHED)  # every admitted job's handler at once in a batch, else one
+        jobs = handlers(seats())  # every admitted job's handler at once, and a few to refuse the others at once
+        line = Jobs(seats())  # the generation jobs of both tabs, admitted by their handlers (app.service)
         inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, **quick, **panel}
         sample.input(callbacks.choose_sample, sample, [document, examples, instruction, uploaded],
                      api_name="choose_sample")
@@ -259,7 +263,7 @@ def build_demo() -> gr.Blocks:
         outputs = {"status": status, "answer": answer, "heatmap": heatmap, "doc_view": doc_view, "stats": stats,
                    "stats_json": stats_json, "timeline": timeline, "costs": costs, "raw_stats": raw_stats,
                    "run_state": run_state}
-        run_event = run.click(by_name(callbacks.run_triforce, outputs, "triforce", callbacks.stopped_triforce),
+        run_event = run.click(by_name(callbacks.run_triforce, outputs, "triforce", callbacks.stopped_triforce, line),
                               inputs_kwargs={**inputs, "method": method, "heatmap_mode": heatmap_mode},
                               outputs=list(outputs.values()), api_name="triforce", preprocess=False,
                               show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=jobs)
@@ -274,7 +278,7 @@ def build_demo() -> gr.Blocks:
                       **columns}
         outputs = {name: components[name] for name in callbacks.COMPARE_OUTPUTS}
         compare_event = compare_run.click(by_name(callbacks.run_compare, outputs, "compare",
-                                                  callbacks.stopped_compare), inputs_kwargs=inputs,
+                                                  callbacks.stopped_compare, line), inputs_kwargs=inputs,
                                           outputs=list(outputs.values()), api_name="compare", preprocess=False,
                                           show_progress="hidden", concurrency_id=GPU_QUEUE, concurrency_limit=jobs)
         stopped = {name: components[name] for name in ("compare_status", "compare_costs",
@@ -284,4 +288,4 @@ def build_demo() -> gr.Blocks:
                            show_progress="hidden")
         how_tab.select(callbacks.describe_engines, None, engines, api_visibility="private")
         demo.load(callbacks.describe_engines, None, engines, api_visibility="private")
-    return serve(demo, GPU_QUEUE, seats())  # seats() decoding at once, a bounded number per visitor (app.service)
+    return serve(demo)  # Gradio's queue bounded; generation jobs admitted by the app's line (app.service.Jobs)

@@ -3,37 +3,36 @@
 Generation jobs share one device. Off a ZeroGPU Space they decode together in one batch of `seats`
 (app.inference.BATCHED: core.serving.BatchServer): every admitted job's handler runs at once, reading its own request's
 stream, and the jobs past the seats wait in the batch's line, first come first served, each told its place. On ZeroGPU
-there is no batch: one job at a time through Gradio's queue (one seat). Either way the admitted jobs are at most
-VISITOR_JOBS per visitor (Gradio's session), running or waiting, at most a share of the places (seats and waiting) per
-address (address_jobs: a client chooses its session, not its address), and WAITING_JOBS waiting beyond the seats; a job
-past any bound is refused at once, in one line that says why and how long the wait is, and an admitted job that has to
-wait is told its place and the wait. A job's generation stops after a bound of time with a seat (run_seconds; waiting in
-line does not count), its answer so far kept. With one job per visitor and a bounded run, a flood from one session holds
-at most one seat, and one from many sessions of one address at most its share, so another visitor waits at most for
-seats to turn over. The address is the client's as uvicorn gives it: behind a proxy the forwarded one only where
-FORWARDED_ALLOW_IPS trusts the proxy (as for uploads).
+there is no batch: one seat, and the admitted jobs' handlers wait for it in the app's own line (Jobs), in order of
+arrival. Admission is the app's own, decided by the generation handler as it starts (Jobs.admitted, from the public
+gr.Request), never by Gradio's queue, which runs every generation handler at once (handlers): the admitted jobs are at
+most VISITOR_JOBS per visitor (Gradio's session), running or waiting, at most a share of the places (seats and waiting)
+per address (address_jobs: a client chooses its session, not its address), and WAITING_JOBS waiting beyond the seats;
+a job past any bound is refused at once (gr.Error), in one line that says why and how long the wait is, and an
+admitted job that has to wait is told its place and the wait. A job leaves the line when its handler ends, however it
+ends (finished, refused later, stopped, its client gone). A job's generation stops after a bound of time with a seat
+(run_seconds; waiting in line does not count), its answer so far kept. With one job per visitor and a bounded run, a
+flood from one session holds at most one seat, and one from many sessions of one address at most its share, so
+another visitor waits at most for seats to turn over. The address is the client's as uvicorn gives it: behind a proxy
+the forwarded one only where FORWARDED_ALLOW_IPS trusts the proxy (as for uploads).
 
 Uploads: the bytes one address may upload in a window are bounded before Gradio reads them (UploadBudget), and the
 files a session used are deleted when it ends (or when it has uploaded UPLOADS_KEPT newer ones)."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import gradio as gr
-from gradio.queueing import Event as QueuedEvent
-from gradio.queueing import Queue
-from gradio.server_messages import LogMessage, ProcessCompletedMessage
 from gradio.utils import get_upload_folder
 
 from app.documents import MAX_UPLOAD_BYTES
@@ -43,6 +42,9 @@ VISITOR_JOBS = 1  # generation jobs one visitor may hold, its running one includ
 WAITING_JOBS = 16  # generation jobs waiting in all (those with a seat aside)
 ADDRESS_SHARE = 4  # one address holds at most 1/ADDRESS_SHARE of the places: at least this many addresses fit at once
 QUEUE_EVENTS = 64  # every kind of event waiting at once: Gradio's own max_size, a backstop behind the bounds above
+REFUSING = 8  # generation handlers beyond the admitted jobs', so that a job past the bounds is refused at once
+SEAT_POLL_S = 0.1  # a job waiting for its seat in the app's line looks this often whether it was stopped
+REFUSED_TITLE = "Please wait your turn"  # the title of an admission's refusal
 RUN_SECONDS_ENV = "TRIFORCE_RUN_SECONDS"
 RUN_SECONDS = 180.0  # a job's generation time, by default: a few hundred tokens of the embedded model on a CPU
 MAX_RUN_SECONDS = 24 * 3600.0
@@ -142,11 +144,11 @@ def address_jobs(seats: int) -> int:
 
 @dataclass
 class Line:
-    """The generation jobs at one moment: those Gradio runs and those waiting in its queue (first come first), for
-    how long the oldest running job has run (0 with several seats: unknown per job, so a wait is not promised
-    short), how long a job has taken on average (None before one finished), the bound on a job's run, and the seats:
-    the first `seats` jobs decode, the others wait (in Gradio's queue with one seat; in the batch's line with
-    several, their handlers running)."""
+    """The generation jobs at one moment (Jobs.line): those with a seat and those waiting for one (first come
+    first), for how long the oldest running job has run (0 with several seats: unknown per job, so a wait is not
+    promised short), how long a job has taken with its seat on average (None before one finished), the bound on a
+    job's run, and the seats: the first `seats` jobs decode, the others wait (in the app's line with one seat; in the
+    batch's line with several), every handler running."""
 
     running: list[Job]
     waiting: list[Job]
@@ -207,26 +209,6 @@ def address(request: Any) -> str:
     return getattr(client, "host", None) or "unknown"
 
 
-def _job_of(event: QueuedEvent) -> Job:
-    """The job of a queued event (Gradio names an event without a session after the event itself)."""
-    return Job(visitor(None if event.session_hash == event._id else event.session_hash, event.request),
-               address(event.request))
-
-
-def line(queue: Queue, concurrency_id: str, bound: float, seats: int = 1) -> Line:
-    """The generation jobs (the events of `concurrency_id`) as Gradio's queue holds them now."""
-    events = queue.event_queue_per_concurrency_id.get(concurrency_id)
-    running = [_job_of(event) for job in queue.active_jobs if job for event in job
-               if event.concurrency_id == concurrency_id]
-    starts = [t for times in (events.start_times_per_fn.values() if events else ()) for t in times]
-    done = [times for fn, times in queue.process_time_per_fn.items() if fn.concurrency_id == concurrency_id
-            and times.count]
-    typical = sum(t.process_time for t in done) / sum(t.count for t in done) if done else None
-    elapsed = time.time() - min(starts) if starts and running and seats == 1 else 0.0
-    return Line(running, [_job_of(event) for event in (events.queue if events else [])], elapsed, typical, bound,
-                seats)
-
-
 def admission(now: Line, new: Job) -> str | None:
     """Why the job `new` is refused (one line, with the wait), or None when it is admitted."""
     who = new.visitor
@@ -249,58 +231,118 @@ def admission(now: Line, new: Job) -> str | None:
     return None
 
 
-def concurrent_jobs(seats: int, batched: bool) -> int:
-    """Generation jobs Gradio runs at once: in a batch every admitted one (those with a seat and those in the
-    batch's line, each handler reading its own stream), else one (the others wait in Gradio's queue)."""
-    return seats + WAITING_JOBS if batched else 1
+def concurrent_jobs(seats: int) -> int:
+    """Generation jobs admitted at once, their handlers all running: those with a seat and those waiting for one (in
+    the batch's line, or the app's own with one seat)."""
+    return seats + WAITING_JOBS
 
 
-def _refused(queue: Queue, fn: Any, body: Any, request: Any, username: str | None, message: str
-             ) -> tuple[bool, str, str]:
-    """Answer a job that is not queued with its refusal, as Gradio answers a finished job: the client sees the same
-    error as any other refusal (a toast in the page, an AppError through gradio_client)."""
-    event = QueuedEvent(body.session_hash, fn, request, username)
-    if body.session_hash is None:
-        body.session_hash = event.session_hash
-    if body.session_hash not in queue.pending_messages_per_session:
-        queue.pending_messages_per_session[body.session_hash] = asyncio.Queue()
-    queue.pending_event_ids_session.setdefault(body.session_hash, set()).add(event._id)
-    title = "Please wait your turn"
-    queue.send_message(event, ProcessCompletedMessage(output={"error": message, "title": title, "visible": True,
-                                                              "duration": None}, success=False, title=title))
-    return True, event._id, "success"
+def handlers(seats: int) -> int:
+    """Generation handlers Gradio runs at once: every admitted job's, and REFUSING more, so that a job past the
+    bounds reaches its handler, which refuses it, without waiting in Gradio's queue."""
+    return concurrent_jobs(seats) + REFUSING
 
 
-def serve(demo: gr.Blocks, concurrency_id: str, seats: int = 1) -> gr.Blocks:
-    """Queue `demo` fairly: Gradio's queue with QUEUE_EVENTS at most and one job at a time by default, and every job
-    of `concurrency_id` admitted as `admission` says with `seats` decoding at once (Gradio has no per-session bound
-    of its own, so its queue's push is wrapped); each session's uploads are deleted when it ends."""
+@dataclass(eq=False)
+class Ticket:
+    """An admitted job's place in the app's line (Jobs): the job, and since when it has had a seat (None while it
+    waits for one)."""
+
+    job: Job
+    line: Jobs
+    seated: float | None = None
+
+    def place(self) -> int | None:
+        """Where it waits for a seat (1: next), None once it has one."""
+        return self.line.place(self)
+
+    def seat(self, stop: threading.Event) -> bool:
+        """Wait until it has a seat (True), or until `stop` is set (False)."""
+        return self.line.seat(self, stop)
+
+
+class Jobs:
+    """The generation jobs admitted now, in order of arrival: the first `seats` have a seat, the others wait for one
+    (off ZeroGPU in the batch's line, their handlers reading their streams; on ZeroGPU here, one seat, each waiting
+    for its turn with Ticket.seat). The handlers admit and release their own job (admitted): no other code counts."""
+
+    def __init__(self, seats: int = 1) -> None:
+        self.seats = seats
+        self.tickets: list[Ticket] = []
+        self.changed = threading.Condition()  # guards the tickets; notified when one leaves
+        self.finished, self.seated_s = 0, 0.0  # jobs that ended after a seat, and their seconds with it
+
+    def line(self, bound: float) -> Line:
+        """The jobs as admission sees them, `bound` the run bound (the caller holds `changed`)."""
+        jobs = [ticket.job for ticket in self.tickets]
+        first = self.tickets[0].seated if self.tickets and self.seats == 1 else None  # several seats: unknown per job
+        return Line(jobs[:self.seats], jobs[self.seats:], time.monotonic() - first if first is not None else 0.0,
+                    self.seated_s / self.finished if self.finished else None, bound, self.seats)
+
+    def admit(self, job: Job) -> Ticket:
+        """Admit `job` (last in line) or refuse it with a gr.Error in one line (admission's); a job that has to wait
+        is told its place and the wait (gr.Info)."""
+        with self.changed:
+            now = self.line(run_seconds())
+            if refusal := admission(now, job):
+                log.warning("refused (queue): %s from %s: %s", cut(repr(job.visitor), 40), job.address, refusal)
+                raise gr.Error(refusal, title=REFUSED_TITLE, print_exception=False)
+            ticket = Ticket(job, self)
+            self.tickets.append(ticket)
+            self._seat()
+        if len(now.jobs) >= self.seats:  # no seat free: it waits
+            together = f" ({self.seats} decode at once)" if self.seats > 1 else ""
+            gr.Info(f"{plural(len(now.jobs), 'run')} ahead of yours{together}: it starts in "
+                    f"{now.wait(len(now.jobs) - self.seats)} (every run stops at {span(now.bound)}).",
+                    title="Queued", duration=10)
+        return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        """The job's handler ended: it leaves the line, the next one takes its seat."""
+        with self.changed:
+            if ticket.seated is not None:
+                self.finished += 1
+                self.seated_s += time.monotonic() - ticket.seated
+            self.tickets.remove(ticket)
+            self._seat()
+            self.changed.notify_all()
+
+    @contextlib.contextmanager
+    def admitted(self, request: Any) -> Iterator[Ticket]:
+        """The job of a generation handler's request (gr.Request: its session and address) admitted for as long as
+        the handler runs, however it ends; refused with a gr.Error past the bounds."""
+        ticket = self.admit(Job(visitor(getattr(request, "session_hash", None), request), address(request)))
+        try:
+            yield ticket
+        finally:
+            self.release(ticket)
+
+    def place(self, ticket: Ticket) -> int | None:
+        """Where `ticket` waits for a seat (1: next), None once it has one."""
+        with self.changed:
+            at = self.tickets.index(ticket) if ticket in self.tickets else 0
+        return at - self.seats + 1 if at >= self.seats else None
+
+    def seat(self, ticket: Ticket, stop: threading.Event) -> bool:
+        """Wait until `ticket` has a seat (True), or until `stop` is set (False)."""
+        with self.changed:
+            while self.place(ticket) is not None:
+                if stop.is_set():
+                    return False
+                self.changed.wait(SEAT_POLL_S)
+        return True
+
+    def _seat(self) -> None:
+        """Give the first `seats` jobs their seat's start (the caller holds `changed`)."""
+        for ticket in self.tickets[:self.seats]:
+            if ticket.seated is None:
+                ticket.seated = time.monotonic()
+
+
+def serve(demo: gr.Blocks) -> gr.Blocks:
+    """Queue `demo` through Gradio's public settings: QUEUE_EVENTS at most and one job at a time by default (the
+    generation events set their own concurrency: handlers); each session's uploads are deleted when it ends."""
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_EVENTS)
-    queue = demo._queue
-    push = queue.push
-    admitting = asyncio.Lock()  # a check and its push as one step: two clicks at once cannot both pass the check
-
-    async def admit(body: Any, request: Any, username: str | None) -> tuple[bool, Any, str]:
-        fn = demo.fns.get(body.fn_index) if body.fn_index is not None else None
-        if fn is None or fn.concurrency_id != concurrency_id:
-            return await push(body, request, username)
-        async with admitting:
-            now = line(queue, concurrency_id, run_seconds(), seats)
-            who = Job(visitor(body.session_hash, request), address(request))
-            if refusal := admission(now, who):
-                log.warning("refused (queue): %s from %s: %s", cut(repr(who.visitor), 40), who.address, refusal)
-                return _refused(queue, fn, body, request, username, refusal)
-            admitted = await push(body, request, username)
-        event = queue.event_ids_to_events.get(admitted[1]) if admitted[0] else None
-        if event is not None and len(now.jobs) >= seats:  # no seat free: it waits
-            together = f" ({seats} decode at once)" if seats > 1 else ""
-            queue.send_message(event, LogMessage(
-                log=f"{plural(len(now.jobs), 'run')} ahead of yours{together}: it starts in "
-                    f"{now.wait(len(now.jobs) - seats)} (every run stops at {span(now.bound)}).",
-                level="info", title="Queued", duration=10))
-        return admitted
-
-    queue.push = admit
     demo.unload(forget_session)
     return demo
 

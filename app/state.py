@@ -1,6 +1,6 @@
-"""Per-run UI state and the reducer that folds the engine's typed events (core.events) into it. Events cross from
-the engine's side as plain dicts (a ZeroGPU worker can only hand those over); `typed` rebuilds them at this
-boundary, and the reducer matches on their classes."""
+"""Per-run UI state and the reducer that folds the engine's typed events (core.events) into it. A batched run's
+events come typed from the batch's stream; a run alone's cross from the engine's side as plain dicts (a ZeroGPU
+worker can only hand those over) and `typed` rebuilds them at this boundary; the reducer matches on their classes."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ class ShownVerdict(Verdict):
 
 @dataclass
 class InLine(Event):
-    """The run waits for a seat in the app's batch: `place` in line (1: next), `seats` runs decoding at once. Made
-    on the app's side (app.inference), never sent as a dict."""
+    """The run waits for a seat (in the batch, or the app's line): `place` in line (1: next), `seats` runs decoding
+    at once. Made on the app's side (app.inference), never sent as a dict."""
 
     place: int
     seats: int

@@ -27,8 +27,9 @@ class BatchServer:
         self.lock = threading.Lock()  # streams and the decoding thread's start
         self.thread: threading.Thread | None = None
 
-    def submit(self, request: Request) -> Iterator[Event]:
-        """The events of `request` as the batch produces them; bad input raises TriForceError here. Closing the
+    def submit(self, request: Request, idle: float | None = None) -> Iterator[Event | None]:
+        """The events of `request` as the batch produces them, and with `idle` a None whenever none came for `idle`
+        seconds (so that the reader can do something meanwhile); bad input raises TriForceError here. Closing the
         iterator (or setting request.stop) ends the request at the batch's next step."""
         with self.lock:
             if request.key in self.streams:
@@ -42,7 +43,7 @@ class BatchServer:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._decode, name="batch", daemon=True)
                 self.thread.start()
-        return self._read(request, stream)
+        return self._read(request, stream, idle)
 
     def position(self, key: str) -> int | None:
         """Where a request waits in line (1: next), None once it prefills or decodes."""
@@ -53,9 +54,16 @@ class BatchServer:
         return len(self.run.running) + (self.run.filling is not None)
 
     @staticmethod
-    def _read(request: Request, stream: queue.SimpleQueue) -> Iterator[Event]:
+    def _read(request: Request, stream: queue.SimpleQueue, idle: float | None) -> Iterator[Event | None]:
         try:
-            while (item := stream.get()) is not _END:
+            while True:
+                try:
+                    item = stream.get(timeout=idle)
+                except queue.Empty:
+                    yield None
+                    continue
+                if item is _END:
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 yield item

@@ -2,7 +2,8 @@
 session: a flood from one session is refused job by job while its one run is cut at its time bound, and another
 visitor is served right after that run; many sessions of one address (a proxy on the loopback forwarding it) are
 refused past the address's share while another address is served; a full queue refuses in one line with the wait;
-an admitted job that waits is told its place. Alone: the queue's arithmetic, a generation stopped at its bound with its answer kept, and the
+an admitted job that waits is told its place; a job whose client vanished leaves the line long before its bound.
+Alone: the queue's arithmetic, the app's own line, a generation stopped at its bound with its answer kept, and the
 upload bounds. Order is asserted (who is served when, who is refused), never how many seconds something took."""
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from core.events import Tokens
 
 from app import inference, service
 from app.presets import EMBEDDED
-from app.service import Job, Line, ServiceError, UploadBudget, admission, forget_session, keep_upload, run_seconds
+from app.service import (Job, Jobs, Line, ServiceError, UploadBudget, admission, forget_session, keep_upload,
+                         run_seconds)
+from app.state import InLine
 from tests.served import served
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +83,93 @@ def test_a_bad_run_bound_setting_is_refused_in_one_line(value: str) -> None:
                                            r"most 86400, got '"):
         run_seconds({"TRIFORCE_RUN_SECONDS": value})
     assert run_seconds({}) == service.RUN_SECONDS and run_seconds({"TRIFORCE_RUN_SECONDS": " 2.5 "}) == 2.5
+
+
+# ---------------------------------------------------------------- the app's own line
+
+
+def test_no_module_of_the_app_touches_gradios_private_queue() -> None:
+    """Admission is the app's own (app.service.Jobs): no module of the app imports Gradio's queue or its server
+    messages, or reaches for a Blocks' private queue."""
+    import ast
+
+    private = ("gradio.queueing", "gradio.server_messages")
+    for path in [ROOT / "app.py", *sorted((ROOT / "app").glob("*.py"))]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+        imported += [f"{node.module}.{alias.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                     for alias in node.names]
+        assert not [name for name in imported if name.startswith(private)], path
+        assert not [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "_queue"], path
+
+
+def request(session: str, host: str = "10.0.0.9") -> SimpleNamespace:
+    """A gr.Request as the admission reads it: its session and its client's address."""
+    return SimpleNamespace(session_hash=session, client=SimpleNamespace(host=host))
+
+
+def test_the_apps_line_seats_jobs_in_order_of_arrival_and_a_job_leaves_it_however_its_handler_ends() -> None:
+    import gradio as gr
+
+    line = Jobs(seats=1)
+    stop = threading.Event()
+    with line.admitted(request("a")) as a, line.admitted(request("b")) as b:
+        c = line.admit(Job("c", "10.0.0.8"))
+        assert [a.place(), b.place(), c.place()] == [None, 1, 2] and a.seat(stop)
+        with pytest.raises(gr.Error) as refused:
+            line.admit(Job("a", "10.0.0.7"))
+        assert refused.value.message.startswith("Your earlier run is still going (one run at a time per visitor)")
+        stop.set()
+        assert not c.seat(stop)  # a stopped job gives up its wait
+        with pytest.raises(RuntimeError), line.admitted(request("d")):
+            raise RuntimeError("the handler failed")
+        assert [t.job.visitor for t in line.tickets] == ["a", "b", "c"]  # d left with its handler
+    assert line.tickets == [c] and c.place() is None and c.seat(threading.Event())
+    line.release(c)
+    assert line.tickets == [] and line.line(180.0).typical is not None
+
+
+def test_a_run_alone_waits_for_its_seat_in_the_apps_line_before_the_engine_starts(monkeypatch) -> None:
+    """On ZeroGPU each run goes alone, in order of arrival in the app's line: a run admitted behind another is told
+    its place, and its engine starts only once the run before has left."""
+    started = threading.Event()
+
+    def engine(*args, **kwargs):
+        started.set()
+        yield Tokens([7], ["t7"], ["target"], 0).to_dict()
+
+    monkeypatch.setattr(inference, "_event_dicts", engine)
+    monkeypatch.setattr(inference, "BATCHED", False)
+    line = Jobs(seats=1)
+    first, second = line.admit(Job("a", "10.0.0.1")), line.admit(Job("b", "10.0.0.2"))
+    events = inference.stream_events(SimpleNamespace(sources=lambda: (None, None)), "doc", "q",
+                                     inference.GenerationConfig(), turn=second)
+    assert next(event for event in events if not isinstance(event, inference.Waiting)) == InLine(1, 1)
+    assert not started.is_set()
+    line.release(first)
+    assert [event.ids for event in events if isinstance(event, Tokens)] == [[7]] and started.is_set()
+
+
+def test_a_batched_run_shows_the_same_events_typed_as_a_run_alone_hands_over_as_dicts() -> None:
+    """The batch's events reach the page typed, with what the page adds (a proposed token's text, a prompt chunk's
+    text without special tokens) made in one place; a run alone's dicts rebuild the same events."""
+    from app.state import ShownVerdict, typed
+    from core.events import PromptReady, Verdict
+
+    class Tokenizer:
+        """Decodes a token id as its digits in brackets; "<|end|>" is its special token."""
+
+        all_special_tokens = ["<|end|>"]
+
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return f"[{ids[0]}]"
+
+    events = [Verdict(2, 1, [5, 6], 1, 7, False), PromptReady(9, 8, 0, 64, 4, 8, ["a<|end|>", "b"]),
+              Tokens([7], ["x"], ["target"], 0)]
+    typed_events = [inference.shown(Tokenizer(), event) for event in events]
+    assert typed_events[0] == ShownVerdict(2, 1, [5, 6], 1, 7, False, proposed_texts=["[5]", "[6]"])
+    assert typed_events[1].chunk_texts == ["a", "b"] and typed_events[2] is events[2]
+    assert [typed(data) for data in inference._shown(Tokenizer(), events)] == typed_events
 
 
 # ---------------------------------------------------------------- a generation stopped at its bound
@@ -235,6 +325,7 @@ def test_a_flood_from_one_session_puts_one_bounded_run_ahead_of_another_visitor(
         with pytest.raises(AppError) as refused:
             job.result(timeout=HANG_S)
         assert str(refused.value).startswith("Your earlier run is still going (one run at a time per visitor)")
+        assert len(str(refused.value).splitlines()) == 1
     mine = visitor.submit(**run_kwargs(), api_name="/triforce")
     assert mine.result(timeout=HANG_S)[0].startswith("✅ Finished")
     assert long.result(timeout=HANG_S)[0].startswith("⏱️ Stopped at the time bound of a run (3 s")
@@ -284,3 +375,44 @@ def test_many_sessions_of_one_address_leave_another_address_served(url: str, mon
     assert other.result(timeout=HANG_S)[0].startswith("✅ Finished")
     assert all(job.result(timeout=HANG_S)[0].startswith("✅ Finished") for job in admitted)
     assert long.result(timeout=HANG_S)[0].startswith("⏱️ Stopped at the time bound of a run (3 s")
+
+
+GONE_CLIENT = """
+import json, sys, time
+from gradio_client import Client
+job = Client(sys.argv[1], verbose=False, headers={"X-Forwarded-For": "10.0.3.1"}).submit(**json.loads(sys.argv[2]),
+                                                                                        api_name="/triforce")
+while not job.outputs():
+    time.sleep(0.02)
+print("running", flush=True)
+time.sleep(600)
+"""  # a visitor whose run has started, then its process is killed: its connection goes without a Stop
+
+
+def test_a_visitor_whose_connection_goes_leaves_the_line_at_once(url: str, monkeypatch) -> None:
+    """A job leaves the app's line when its handler ends, however it ends: a run whose client vanished (killed, no
+    Stop) frees the only place long before its time bound, and another visitor is admitted."""
+    import json
+    import subprocess
+    import sys
+
+    from gradio_client.exceptions import AppError
+
+    monkeypatch.setattr(service, "WAITING_JOBS", 0)  # one place in all: the run that holds it refuses every other
+    monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "300")
+    gone = subprocess.Popen([sys.executable, "-c", GONE_CLIENT, url, json.dumps(run_kwargs(**LONG))],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert gone.stdout.readline().strip() == "running"
+    finally:
+        gone.kill()
+        gone.wait()
+    killed = time.monotonic()
+    while True:
+        try:
+            assert client(url, "10.0.3.2").predict(**run_kwargs(), api_name="/triforce")[0].startswith("✅ Finished")
+            break
+        except AppError as refused:
+            assert str(refused).startswith("The queue is full")
+            assert time.monotonic() - killed < 200, "the vanished run held its place until its bound"
+            time.sleep(0.5)

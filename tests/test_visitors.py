@@ -48,8 +48,8 @@ def test_the_line_with_several_seats_admits_until_the_seats_and_the_waiting_are_
     assert admission(full, job("g")) == ("The queue is full (2 runs waiting for a seat in the batch): a place frees "
                                          "in about 60 s, at most 3 min. Try again then.")
     assert full.wait(4) == "about 2 min, at most 6 min"  # the fifth in line waits for the seats to turn over twice
-    assert service.concurrent_jobs(8, batched=True) == 8 + service.WAITING_JOBS
-    assert service.concurrent_jobs(8, batched=False) == 1
+    assert service.concurrent_jobs(8) == 8 + service.WAITING_JOBS  # every admitted job's handler runs at once
+    assert service.handlers(8) > service.concurrent_jobs(8)  # and more: a job past the bounds is refused at once
 
 
 def test_a_jobs_clock_stops_while_it_waits_in_line() -> None:
@@ -79,7 +79,7 @@ def test_raw_stats_files_are_kept_for_every_run_that_can_finish_together_and_no_
     """Each run's file has a name of its own; the newest RAW_FILES_KEPT of this process's are kept, at least as many
     as can finish at once; a file this process did not write (another process's, or one gone meanwhile) is never
     read or deleted."""
-    assert callbacks.RAW_FILES_KEPT >= service.concurrent_jobs(callbacks.MAX_SLOTS, batched=True)
+    assert callbacks.RAW_FILES_KEPT >= service.concurrent_jobs(callbacks.MAX_SLOTS)
     monkeypatch.setattr(callbacks, "RAW_DIR", tmp_path)
     monkeypatch.setattr(callbacks, "RAW_FILES_KEPT", 3)
     monkeypatch.setattr(callbacks, "_raw_files", type(callbacks._raw_files)())
@@ -194,8 +194,9 @@ def test_a_visitor_beyond_the_seats_sees_its_place_in_line_then_runs(url: str, m
     assert any(status.startswith(f"⏳ Waiting: 1st in line for the batch (up to {SEATS} runs decode at once")
                for status in statuses), statuses
     assert third.outputs()[-1][0].startswith("✅ Finished")
+    seen = logs(third)
     assert any(line.startswith(f"{SEATS} runs ahead of yours ({SEATS} decode at once): it starts in ")
-               for line in logs(third))
+               for line in seen), seen
     assert all(job.result(timeout=HANG_S)[0].startswith("⏱️ Stopped at the time bound") for job in holders)
 
 
