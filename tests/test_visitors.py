@@ -187,8 +187,8 @@ def test_a_visitor_beyond_the_seats_sees_its_place_in_line_then_runs(url: str, m
     # the prefill), short enough that the one beyond them is served soon after
     monkeypatch.setenv("TRIFORCE_RUN_SECONDS", "20")
     holders = [client(url).submit(**run_kwargs(**LONG), api_name="/triforce") for _ in range(SEATS)]
-    for job in holders:
-        decoding(job)
+    for holder in holders:
+        decoding(holder)
     third = client(url).submit(**run_kwargs(max_new_tokens=8), api_name="/triforce")
     statuses = [str(frame[0]) for frame in third]
     assert any(status.startswith(f"⏳ Waiting: 1st in line for the batch (up to {SEATS} runs decode at once")
