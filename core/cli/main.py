@@ -15,7 +15,7 @@ from typing import NoReturn
 import transformers
 
 from core.decode.compare import difference_note
-from core.config import SEATS, GenerationConfig, TriForceError, settings, type_hints, value_types
+from core.config import METHODS, SEATS, GenerationConfig, TriForceError, settings, type_hints, value_types
 from core.engine import Engine
 from core.events import Finished, Stats, Tokens
 from core.io.inputs import STDIN, gpu_memory_gib, note_gpu_only, process_group, read_capped
@@ -145,7 +145,7 @@ def _stats_line(s: Stats) -> str:
     line = (f"{s.method}: {s.new_tokens} tokens, {s.tokens_per_s:.2f} tok/s, prefill {s.prefill_s:.1f}s "
             f"({s.prompt_tokens} prompt tokens, {s.dropped_tokens} dropped), {s.tokens_per_target_forward:.2f} "
             "tokens/target forward")
-    if s.method != "ar":
+    if METHODS[s.method].drafts:
         line += f", acceptance L1 {s.level1_acceptance:.2f} L2 {s.level2_acceptance:.2f}"
     if s.ahead_made:
         line += f", {s.ahead_made} level-2 drafts made ahead ({s.ahead_kept} used)"
