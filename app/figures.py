@@ -135,15 +135,17 @@ def selection_heatmap(state: RunState, mode: str = HEATMAP_MODES[0]) -> go.Figur
                else f"the selection of round {state.selection_rounds[-1]}")
         title = f"Per layer: {why}<br><sup>KV heads keeping each chunk · {cache}</sup>"
         return _heatmap(z, labels, list(range(z.shape[0])), "layer", state.heads_per_layer, title, "KV heads")
-    if state.step_selection:
+    if state.step_selection and selections > 1:
         rows = pick_rows(len(state.step_selection))
         z = np.stack([state.selection_columns[max(state.step_selection[i], 0)] for i in rows])
         y = [state.step_rounds[i] for i in rows]
-    else:
+        what = plural(selections, "selection")
+    else:  # one selection stands for every step: one row, not as many identical ones as steps
         z, y = state.selection_columns[-1][None, :], [state.selection_rounds[-1]]
+        what = "one selection, kept at every decoding step" if state.step_selection else plural(selections,
+                                                                                                "selection")
     z = z.astype(compact_dtype(state.max_count), copy=False)
-    title = f"Per decoding step: {plural(selections, 'selection')}<br><sup>layer×heads keeping each chunk · " \
-        f"{cache}</sup>"
+    title = f"Per decoding step: {what}<br><sup>layer×heads keeping each chunk · {cache}</sup>"
     return _heatmap(z, labels, y, "decoding step", state.max_count, title, "layer×heads")
 
 

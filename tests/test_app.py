@@ -328,7 +328,7 @@ def test_a_rejected_line_break_is_a_visible_mark_and_a_single_round_or_selection
     assert "1 round with drafts" in timeline_html(state)
     apply_event(state, tokens_event(["B"], ["level3"], 1))  # a second step, under the one selection
     title = selection_heatmap(state, HEATMAP_MODES[1]).layout.title.text
-    assert title.startswith("Per decoding step: 1 selection<br>")
+    assert title.startswith("Per decoding step: one selection, kept at every decoding step<br>")
     # a colour bar of counts (KV heads, layer×heads) ticks whole numbers only
     for mode in HEATMAP_MODES[1:]:
         bar = selection_heatmap(state, mode).data[0].colorbar
@@ -541,6 +541,8 @@ def test_frames_stay_small_at_120k_tokens_and_the_download_has_every_chunk(tmp_p
 
 
 def test_heatmap_shows_layers_for_one_selection_and_steps_once_rows_differ() -> None:
+    """One selection: its layers, or one row per decoding step's view (not as many identical rows as steps); a
+    re-selection: the steps, as many rows as differ."""
     state = RunState()
     apply_event(state, prompt_event(5000))
     rng = np.random.default_rng(0)
@@ -554,11 +556,13 @@ def test_heatmap_shows_layers_for_one_selection_and_steps_once_rows_differ() -> 
     assert layer["z"]["shape"].replace(" ", "") == f"4,{MAX_COLUMNS}" and layer["y"] == [0, 1, 2, 3]
     steps = json.loads(selection_heatmap(state, HEATMAP_MODES[1]).to_json())["data"][0]
     rows, columns = (int(n) for n in steps["z"]["shape"].split(","))
-    assert columns == MAX_COLUMNS and rows == len(pick_rows(300)) <= 96 and steps["z"]["dtype"] == "u1"
+    assert columns == MAX_COLUMNS and rows == 1 and steps["z"]["dtype"] == "u1"  # one selection: one row, not 300
     assert steps["x"][0].startswith("chunks 0–") and "tokens 0–" in steps["x"][0] and "“c0 c1" in steps["x"][0]
     apply_event(state, selection_event(5000, [[[0, 1]] * 3] * 4, round_=300))  # a re-selection: rows now differ
     apply_event(state, tokens_event(["x"], ["draft"], 300))
     assert selection_heatmap(state, HEATMAP_MODES[0]).layout.title.text.startswith("Per decoding step: 2 selections")
+    steps = json.loads(selection_heatmap(state, HEATMAP_MODES[1]).to_json())["data"][0]
+    assert int(steps["z"]["shape"].split(",")[0]) == len(pick_rows(301)) <= 96  # steps binned to a bounded height
     apply_event(state, selection_event(5000, [[[0, 1]] * 3] * 4, round_=301))  # the same again: nothing new kept
     assert len(state.kept_selections) == 2
     assert_valid_plotly(auto)
