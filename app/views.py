@@ -377,8 +377,8 @@ def status_markdown(state: RunState) -> str:
         line = f"⏳ Prefill: {share}the {state.prompt_tokens:,}-token prompt ({state.prefill_s:.1f} s)"
     elif state.stage.startswith("loading"):
         line = f"⏳ {state.stage.capitalize()} ({state.load_fraction:.0%})"
-    elif state.stage == "decoding":
-        line = f"▶️ Decoding: {plural(len(state.pieces), 'token')}"
+    elif state.stage == "decoding":  # before its first token the prefill's last words would read as a stall
+        line = f"▶️ Decoding: {plural(len(state.pieces), 'token')}" if state.pieces else "▶️ Decoding: the first token"
     else:
         line = "⏳ Starting…"
     notes = [placement_markdown(state.caches) if state.offloaded else None, plan_line(state), truncation_line(state)]

@@ -24,9 +24,10 @@ from core.plan.estimate import CostBook
 from core.plan.policy import BatchAuto
 
 
-# A newcomer's prefill between two rounds may take this share of the batch's last round's time: the requests
-# decoding keep at least 1 / (1 + PREFILL_SHARE) = 0.71 of their pace alone while it fills (chunked prefill under a
-# budget, as serving engines do; the chunks themselves stay the single run's, so its keys and values are the same).
+# A newcomer's prefill beside decoding requests may take this share of the batch's rounds' time, on average: they
+# keep 1 / (1 + PREFILL_SHARE) = 0.71 of their pace alone while it fills (chunked prefill under a budget, as serving
+# engines do). Its pieces of work are the single run's (a layer of a chunk on a CPU, a chunk on a GPU: its keys and
+# values are the same), so a piece longer than one round's share is paid for by the rounds after it, which it sits out.
 PREFILL_SHARE = 0.4
 
 
@@ -114,6 +115,7 @@ class BatchRun:
         self.running: dict[str, Running] = {}
         self.line = threading.Lock()  # `submit` may be called from other threads than `step`'s
         self.round_s = 0.0  # the batch's last round
+        self.credit = 0.0  # seconds of prefill the rounds so far allow beside them (below 0: owed)
 
     @property
     def busy(self) -> bool:
@@ -212,9 +214,15 @@ class BatchRun:
 
     def _fill(self, out: list[Tagged]) -> None:
         """The prefill further: while nothing decodes, a progress further (its caller hands each over as it comes);
-        beside decoding requests, for PREFILL_SHARE of the batch's last round's time (at least one progress: a
-        layer of a chunk on a CPU, a chunk on a GPU). Once done, the request joins."""
+        beside decoding requests, for the time the rounds allow it (each round adds PREFILL_SHARE of its time, a
+        round's share at most; what a piece took beyond it is owed and sat out). Once done, the request joins."""
         a = self.filling
+        if self.running:
+            self.credit = min(self.credit, 0.0) + PREFILL_SHARE * self.round_s
+            if self.credit <= 0.0:
+                return
+        else:
+            self.credit = 0.0
         total, t0 = len(a.prompt.ids) - 1, time.perf_counter()
         while True:
             try:
@@ -225,8 +233,10 @@ class BatchRun:
             out.append(Tagged(a.request.key, PrefillProgress(done=a.done, total=total,
                                                              seconds=time.perf_counter() - a.clock.started,
                                                              cache_bytes=a.level.cache.nbytes)))
-            if a.done >= total or not self.running or time.perf_counter() - t0 >= PREFILL_SHARE * self.round_s:
+            if a.done >= total or not self.running or time.perf_counter() - t0 >= self.credit:
                 break
+        if self.running:
+            self.credit -= time.perf_counter() - t0
         if a.done >= total:
             self.filling = None
             self._join(a)

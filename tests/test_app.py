@@ -600,6 +600,8 @@ def test_status_and_stats_give_one_count_of_the_prompt_and_of_what_was_dropped()
     assert "Prefill: 47% of the 2,193-token prompt" in status and "2,192" not in status
     assert "middle 2,691 tokens were dropped" in status
     assert "| tokens dropped (truncated) | 2,691 |" in stats_markdown(live_stats(state))
+    apply_event(state, PrefillProgress(2192, 2192, 2.0, 0))  # prefilled, no token yet: never "0 tokens"
+    assert status_markdown(state).startswith("▶️ Decoding: the first token"), status_markdown(state)
 
 
 def test_offloaded_run_says_where_caches_live_and_what_crosses_the_link() -> None:
