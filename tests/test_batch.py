@@ -293,6 +293,13 @@ def test_batch_drafts_where_caches_dominate_and_not_where_level_2_costs_a_full_s
     assert dear.choose(asks)[0] == 0 and "would not pay" in dear.reason
 
 
+def test_a_batch_whose_level_2_would_read_the_whole_prompt_says_so_and_does_not_draft():
+    """A planned request whose retrieval budget covers its whole prompt never drafts, and the reason says why."""
+    auto = BatchAuto(CostBook())
+    assert auto.choose([Ask(True, 31, False, 0, 0, 600, 4096, True)]) == [0]
+    assert "covers the whole prompt" in auto.reason
+
+
 def test_batch_weighs_acceptance_with_caution():
     """The same acceptance seen over few drafts counts for less than over many: a batch that drafts long at 0.9
     seen over 2,000 verifications drafts shorter (or not at all) at 0.9 seen over 10."""

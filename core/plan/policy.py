@@ -227,6 +227,9 @@ class BatchAuto:
             self.prior = copy.copy(self.estimates.a2)
         if any(a.planned and a.level2 and a.gamma2 for a in asks):
             self.gamma = agree(self._choose(asks))[0]
+        elif any(a.planned for a in asks):
+            self.gamma, self.reason = 0, ("nothing to draft: the retrieval budget covers the whole prompt (level 2 "
+                                          "would read what level 3 reads)")
         return [(min(self.gamma, a.gamma2) if a.level2 else 0) if a.planned else a.gamma2 for a in asks]
 
     def observe(self, record: BatchRecord) -> None:
