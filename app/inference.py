@@ -38,7 +38,7 @@ from core.batching import Request
 from core.config import SEATS
 from core.events import Event, Finished, PromptReady, Verdict
 from core.io import gpu_memory_gib, note_gpu_only
-from core.serving import BatchServer
+from core.serving import BatchServer, drained
 
 ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")  # a ZeroGPU Space (spaces' own test)
 BATCHED = not ZERO_GPU  # visitors' runs decode together in one batch (ZeroGPU: one at a time; the module says why)
@@ -270,15 +270,11 @@ def _shown_typed(tokenizer, events: Iterator[Event | None]) -> Generator[Event |
 
 def _taken(handed: queue.Queue) -> Generator[Event | Exception | None, None, None]:
     """The events a run alone hands over (_hand_over), typed again, one by one (None: none came for WAITING_S)."""
-    while True:
-        try:
-            batch = handed.get(timeout=WAITING_S)
-        except queue.Empty:
+    for batch in drained(handed, WAITING_S, _DONE):
+        if batch is None:
             yield None
-            continue
-        if batch is _DONE:
-            return
-        yield from (item if isinstance(item, Exception) else typed(item) for item in batch)
+        else:
+            yield from (item if isinstance(item, Exception) else typed(item) for item in batch)
 
 
 def _followed(events: Generator[Event | Exception | None, None, None], stop: threading.Event,

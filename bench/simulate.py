@@ -204,6 +204,15 @@ def profiles() -> list[Profile]:
     return real_profiles() + random_profiles() + cpu_profile() + app_profile()
 
 
+def stood(u: list[float], alpha: float, n: int, at: int) -> int:
+    """Drafts that stand of `n` proposed at answer position `at`, each with probability `alpha`, by the draws `u`
+    (one per position: two policies meet the same answer, however they draft it)."""
+    k = 0
+    while k < n and u[(at + k) % len(u)] < alpha:
+        k += 1
+    return k
+
+
 def jittered(rng: random.Random, ms: float) -> float:
     """A measured step: its cost, jittered, now and then stalled."""
     x = ms * rng.lognormvariate(0.0, SIGMA)
@@ -227,11 +236,7 @@ class Simulator:
 
     def accepted(self, alpha: float, n: int, level: int, at: int) -> int:
         """Drafts that stand of `n` proposed at answer position `at`, each with probability `alpha`."""
-        u = self.u[level]
-        k = 0
-        while k < n and u[(at + k) % len(u)] < alpha:
-            k += 1
-        return k
+        return stood(self.u[level], alpha, n, at)
 
     def drafting(self, h: Hierarchy, want: int, slow: float = 1.0) -> tuple[Draft, int]:
         """Level 2's (or level 1's) draft of `want` tokens, its level-2 forwards `slow`er than alone: what drafting
@@ -495,9 +500,7 @@ class BatchSimulator:
             level3 = jittered(self.rng, p.step3(rows))
             verdicts = []
             for g, i in zip(gammas, live):
-                k = 0
-                while k < g and self.u[i][(done[i] + k) % 1024] < p.alpha:
-                    k += 1
+                k = stood(self.u[i], p.alpha, g, done[i])
                 done[i] += k + 1
                 if g:
                     seen[i] = (seen[i][0] + k + (k < g), seen[i][1] + k)

@@ -16,7 +16,7 @@ from core.decode.batch import Batch, Slot
 from core.decode.drafters import DraftContext, drafter_names, make_drafters
 from core.decode.graphs import Graphs
 from core.decode.levels import Level, Stopped
-from core.events import Event, Finished, Footprint, PrefillProgress
+from core.events import Event, Finished, PrefillProgress
 from core.io.prompting import Prompt, build_prompt, ids_prompt
 from core.lifecycle import Clock, announce, begin, finish
 from core.model.transformer import Transformer
@@ -261,12 +261,8 @@ class BatchRun:
 
     def _finish(self, slot: Slot, out: list[Tagged]) -> None:
         """A finished request's figures (its Finished event joins its events)."""
-        run, r = self.running[slot.key], slot.request
-        d = slot.drafter
-        level1 = d.level if d else None
-        footprint = Footprint(r.counts, d.name if d else "none" if r.drafts else "", d.steps if d else 0,
-                              r.retrieval.cache.nbytes if r.retrieval else 0, level1.cache.nbytes if level1 else 0,
-                              level1.model.step_weight_bytes() if level1 else 0, plans=r.plans)
-        stats = finish(footprint, r.cfg.method, r.out, run.admitted.prompt, r.target, run.admitted.clock,
-                       self.engine.graphs, r.cfg.to_dict(), shared_with=slot.beside)
+        run, r, d = self.running[slot.key], slot.request, slot.drafter
+        footprint = r.footprint(d, d.name if d else "none" if r.drafts else "")
+        stats = finish(footprint, r.cfg, r.out, run.admitted.prompt, r.target, run.admitted.clock, self.engine.graphs,
+                       shared_with=slot.beside)
         slot.events.append(Finished(r.out.text, r.out.ids, r.prompt, stats))

@@ -199,9 +199,10 @@ class Engine:
         """Run AR, greedy and sampled TriForce and method auto once on a short sample text, then two batches of two
         requests, so that the kernels a GPU compiles on first use (Triton, cuBLAS) are ready before a first request,
         and method auto's cost book holds every level's cost, alone and batched (a first request then starts from
-        them, as a second would); its caches are released after. The greedy TriForce run drafts the most method auto may (AUTO_GAMMA2), so its first verification
-        fills the largest decode step, whose GEMV block the shorter steps never compile. On a GPU, greedy and sampled
-        TriForce also run with the full cache offloaded, the regime of a prompt beyond the GPU's memory."""
+        them, as a second would); its caches are released after. The greedy TriForce run drafts the most method auto
+        may (AUTO_GAMMA2), so its first verification fills the largest decode step, whose GEMV block the shorter
+        steps never compile. On a GPU, greedy and sampled TriForce also run with the full cache offloaded, the regime
+        of a prompt beyond the GPU's memory."""
         document, question = warm_up_text()
         stats = []
         longest = {"gamma2": AUTO_GAMMA2, "max_new_tokens": max(new_tokens, AUTO_GAMMA2 + 1)}
@@ -254,8 +255,8 @@ class Engine:
         clock.decode_from(target, self.graphs)
         yield from decoder.run()
         self.costs.learn(Regime.of(plan.placement.offloaded, len(ids), cfg.is_greedy), cfg.budget, estimates)
-        stats = finish(decoder.footprint(), cfg.method, request.out, prompt, target, clock, self.graphs,
-                       cfg.to_dict(), offloaded=plan.placement.offloaded, prefill_reused=progress.reused)
+        stats = finish(decoder.footprint(), cfg, request.out, prompt, target, clock, self.graphs,
+                       offloaded=plan.placement.offloaded, prefill_reused=progress.reused)
         yield Finished(request.out.text, request.out.ids, ids, stats)
 
     def _decoder(self, plan: Plan, target: Level, ids: list[int]) -> tuple[Decoder, Estimates, RequestState]:

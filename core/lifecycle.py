@@ -11,6 +11,7 @@ import torch
 
 from core.cache.kvcache import KVCache
 from core.cache.memory import Plan
+from core.config import GenerationConfig
 from core.decode.graphs import Graphs
 from core.decode.levels import Level
 from core.decode.output import Output
@@ -62,9 +63,9 @@ class Clock:
         return self.decoding - self.started
 
 
-def finish(footprint: Footprint, method: str, out: Output, prompt: Prompt, target: Level, clock: Clock,
-           graphs: Graphs | None, cfg_dict: dict, offloaded: bool = False, prefill_reused: bool = False,
-           shared_with: int = 0) -> Stats:
+def finish(footprint: Footprint, cfg: GenerationConfig, out: Output, prompt: Prompt, target: Level, clock: Clock,
+           graphs: Graphs | None, offloaded: bool = False, prefill_reused: bool = False, shared_with: int = 0
+           ) -> Stats:
     """A finished request's figures: its decoding time without the graphs captured meanwhile (a first use of a
     shape is warm-up, not decoding), its rate, first-token latency, target forwards and bytes."""
     model: Transformer = target.model
@@ -72,11 +73,11 @@ def finish(footprint: Footprint, method: str, out: Output, prompt: Prompt, targe
     decode_s = time.perf_counter() - clock.decoding - warmup_s
     n, forwards = len(out.ids), target.forwards - clock.forwards
     return Stats.of(
-        footprint, method=method, new_tokens=n, prompt_tokens=len(prompt.ids), dropped_tokens=prompt.dropped_tokens,
+        footprint, method=cfg.method, new_tokens=n, prompt_tokens=len(prompt.ids), dropped_tokens=prompt.dropped_tokens,
         prefill_s=clock.prefill_s, prefill_reused=prefill_reused, decode_s=decode_s, warmup_s=warmup_s,
         tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
         time_to_first_token_s=(out.first_token_at or clock.decoding) - clock.started, target_forwards=forwards,
         tokens_per_target_forward=n / forwards if forwards else 0.0, cache_bytes=target.cache.nbytes,
         target_weight_bytes=model.step_weight_bytes(), stop_reason=out.stop_reason, device=str(model.device),
-        dtype=str(model.dtype).removeprefix("torch."), settings=cfg_dict, offloaded=offloaded,
+        dtype=str(model.dtype).removeprefix("torch."), settings=cfg.to_dict(), offloaded=offloaded,
         host_link_bytes=target.cache.moved - clock.moved, shared_with=shared_with)

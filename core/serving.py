@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 from core.batching import BatchRun, Request
 from core.config import SEATS, TriForceError
@@ -14,6 +14,20 @@ from core.engine import Engine
 from core.events import Event, Finished
 
 _END = object()  # a request's stream ends (finished or stopped)
+
+
+def drained(stream: queue.Queue | queue.SimpleQueue, idle: float | None, end: object) -> Iterator[Any]:
+    """A queue's items as they come until `end`, and a None whenever none came for `idle` seconds (None: wait as
+    long as it takes), so that the reader can do something meanwhile."""
+    while True:
+        try:
+            item = stream.get(timeout=idle)
+        except queue.Empty:
+            yield None
+            continue
+        if item is end:
+            return
+        yield item
 
 
 class BatchServer:
@@ -56,14 +70,7 @@ class BatchServer:
     @staticmethod
     def _read(request: Request, stream: queue.SimpleQueue, idle: float | None) -> Iterator[Event | None]:
         try:
-            while True:
-                try:
-                    item = stream.get(timeout=idle)
-                except queue.Empty:
-                    yield None
-                    continue
-                if item is _END:
-                    return
+            for item in drained(stream, idle, _END):
                 if isinstance(item, BaseException):
                     raise item
                 yield item

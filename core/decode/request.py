@@ -14,12 +14,13 @@ import torch
 from core.cache.kvcache import KVCache
 from core.cache.retrieval import Retrieval
 from core.config import GenerationConfig
+from core.decode.drafters import Drafter
 from core.decode.graphs import Graphs
 from core.decode.levels import Level, common_prefix
 from core.decode.output import Output
 from core.decode.repetition import Repetition
 from core.decode.sampling import distributions, residual_distribution, speculative_verify
-from core.events import Acceptance, Event, RetrievalSelection
+from core.events import Acceptance, Event, Footprint, RetrievalSelection
 from core.model import parallel
 
 
@@ -112,6 +113,14 @@ class RequestState:
         p = distributions(self.repetition(logits, self.seq, draft), self.cfg)
         tokens, q = ([*draft, guess[0]], [*q, guess[1]]) if guess else (draft, q)
         return speculative_verify(tokens, torch.stack(q) if q else None, p, self.generator)
+
+    def footprint(self, drafter: Drafter | None, name: str, **more) -> Footprint:
+        """What its decoding adds to its figures: acceptance counts, its level-1 drafter `name` and that drafter's
+        forwards, the retrieval and level-1 caches' bytes, the plans it ran, and `more` (a schedule's own)."""
+        level1 = drafter.level if drafter else None
+        return Footprint(self.counts, name, drafter.steps if drafter else 0,
+                         self.retrieval.cache.nbytes if self.retrieval else 0, level1.cache.nbytes if level1 else 0,
+                         level1.model.step_weight_bytes() if level1 else 0, plans=self.plans, **more)
 
     def emit(self, tokens: list[int], provenance: list[str], round_: int) -> Event:
         """A round's accepted drafts and level 3's token join the answer; the event that shows them."""

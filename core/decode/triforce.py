@@ -183,11 +183,8 @@ class TriForce:
         """Acceptance at both levels, the default drafter and its forwards, the retrieval and level-1 caches' bytes,
         the policy's choices."""
         name = next(iter(self.drafters), "none")
-        drafter = self.drafters.get(name)
-        level1 = drafter.level if drafter else None
-        return Footprint(self.counts, name, drafter.steps if drafter else 0, self.retrieval.cache.nbytes,
-                         level1.cache.nbytes if level1 else 0, level1.model.step_weight_bytes() if level1 else 0,
-                         plans=self.plans, ahead_made=self.ahead_made, ahead_kept=self.ahead_kept)
+        return self.request.footprint(self.drafters.get(name), name, ahead_made=self.ahead_made,
+                                      ahead_kept=self.ahead_kept)
 
     def draft_level1(self, level1: str, seq: list[int], round_: int, feature: torch.Tensor | None, want: int
                      ) -> Generator[Event, None, Draft]:

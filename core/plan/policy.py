@@ -1,7 +1,8 @@
 """Who chooses each round's hierarchy: method triforce's fixed one (`Fixed`), or method auto's planner (`Auto`),
 which measures what it does not know, weighs every candidate with the cost model and switches only for a clear
 gain; in a batch, `BatchAuto` by the same rules. All learn every round's costs and acceptances into Estimates, which
-the engine's CostBook keeps for the next run. The numbers in parentheses cite docs/method-auto.md, where each constant has its reason."""
+the engine's CostBook keeps for the next run. The numbers in parentheses cite docs/method-auto.md, where each
+constant has its reason."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ SETTLE_MS = 200.0  # ... or this much decoding, where rounds are slow (4)
 CHAIN_WORTH = 0.5  # drafting alone is measured only where a level-2 step costs under this share of a full one (6)
 MAX_SWITCHES = 6  # switches per run once the costs are measured; after that only back to autoregressive (7)
 CAUTION = 1.0  # plans are weighed at acceptances this many standard deviations below what was seen (9)
+
+
+def level2_words(step_ms: float, full_ms: float, of: str = "", beside: str = "") -> str:
+    """A level-2 step against a full one, in words: its share, or, where it saves nothing, both in milliseconds (a
+    share above 100 % reads as nonsense). `of`: what the step feeds; `beside`: a note on the share."""
+    if step_ms >= full_ms:
+        return (f"level 2 saves nothing here: a step{of} took {step_ms:.3g} ms against {full_ms:.3g} ms for a full "
+                "one (its fixed costs outweigh the cache it skips)")
+    return f"a level-2 step{of} costs {step_ms / full_ms:.0%} of a full one{beside}"
 
 
 @dataclass
@@ -169,13 +179,9 @@ class Auto:
         rows = 1 + (h.gamma1 if h.level1 and h.level2 else 0)
         step, beside = f.level2_step(rows, alone=not h.level1)
         if step is not None and f.level3 is not None:
-            full, rows_named = f.level3(rows), f"{rows} row{'s' if rows > 1 else ''}"
+            full = f.level3(rows)
             more = f" ({beside(rows) / full:.0%} beside level 3's pass)" if h.ahead else ""
-            if step(rows) >= full:  # a share above 100 % reads as nonsense: say what it means, in milliseconds
-                parts.append(f"level 2 saves nothing here: a step of {rows_named} took {step(rows):.3g} ms against "
-                             f"{full:.3g} ms for a full one (its fixed costs outweigh the cache it skips)")
-            else:
-                parts.append(f"a level-2 step of {rows_named} costs {step(rows) / full:.0%} of a full one{more}")
+            parts.append(level2_words(step(rows), full, f" of {rows} row{'s' if rows > 1 else ''}", more))
         if d is not None and d.ms is not None and f.level3 is not None:
             parts.append(f"a level-1 token {d.ms / f.level3(1):.0%} of a full step")
         if h.level1 and not h.level2:
@@ -230,7 +236,7 @@ class BatchAuto:
         elif any(a.planned for a in asks):
             self.gamma, self.reason = 0, ("nothing to draft: the retrieval budget covers the whole prompt (level 2 "
                                           "would read what level 3 reads)")
-        return [(min(self.gamma, a.gamma2) if a.level2 else 0) if a.planned else a.gamma2 for a in asks]
+        return self.each(asks, self.gamma)
 
     def observe(self, record: BatchRecord) -> None:
         self.rounds += 1
@@ -246,6 +252,12 @@ class BatchAuto:
         if self.estimates is not None:
             self.book.learn(*self.key, self.estimates)
 
+    @staticmethod
+    def each(asks: list[Ask], gamma: int) -> list[int]:
+        """Each request's γ2 with the planned ones at `gamma`: within its own bound, none where its level 2 would read
+        its whole prompt; the others keep their settings'."""
+        return [(min(gamma, a.gamma2) if a.level2 else 0) if a.planned else a.gamma2 for a in asks]
+
     def alpha(self, a: Ask) -> float:
         """A request's acceptance as weighed: the batch regime's prior joined by its own verdicts, CAUTION low."""
         return Estimate(self.prior.verified + a.verified, self.prior.accepted + a.accepted).lower(self.caution)
@@ -257,8 +269,7 @@ class BatchAuto:
         alphas = [self.alpha(a) for a in asks]
         out = {}
         for g in gammas:
-            each = [(min(g, a.gamma2) if a.level2 else 0) if a.planned else a.gamma2 for a in asks]
-            if (r := batch_rate(each, alphas, level3, level2)) is not None:
+            if (r := batch_rate(self.each(asks, g), alphas, level3, level2)) is not None:
                 out[g] = r
         return out
 
@@ -294,7 +305,7 @@ class BatchAuto:
         whom = "this request" if n == 1 else f"these {n} requests"
         level3, level2 = e.line("level3"), e.line("chained")
         drafting = sum(1 for a in asks if a.level2 and (a.gamma2 if not a.planned else max(gamma, 1)))
-        step = f"a level-2 step costs {level2(drafting) / level3(n):.0%} of a full one" if drafting else ""
+        step = level2_words(level2(drafting), level3(n)) if drafting else ""
         alpha = sum(self.alpha(a) for a in asks) / n
         best_drafting = max((g for g in rates if g), key=rates.get, default=None)
         if gamma:
