@@ -20,10 +20,8 @@ import json
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from bench.common import (DOCS, LLAMA2_7B, QWEN25_15B, copy_bandwidth, earlier_today, environment, random_model,
                           result_path, save, tokenizer_of)
@@ -201,8 +199,7 @@ def main() -> None:
             settings = args.settings or ["1x4k", "2x4k", "4x4k"]
             tok = engine.tokenizer
         elif part in SHAPES:
-            tok = AutoTokenizer.from_pretrained(args.tokenizer) if Path(args.tokenizer).is_dir() \
-                else tokenizer_of(args.tokenizer)  # a saved tokenizer directory travels where a model cannot
+            tok = tokenizer_of(args.tokenizer)
             settings = args.settings or SHAPES[part][2]
             engine = random_engine(tok, max(SETTINGS[s][1] for s in settings) + args.new_tokens + 1024,
                                    SHAPES[part][1])

@@ -179,9 +179,13 @@ def model_source(spec: str | None) -> str | None:
 
 
 def tokenizer_of(spec: str | None):
-    """The tokenizer of a model argument (a preset id, .gguf, directory or hub id; see model_source)."""
+    """The tokenizer of a model argument (a preset id, .gguf, directory or hub id; see model_source), or a saved
+    tokenizer directory (no model config: one travels to a GPU machine where a model cannot)."""
     from core.io import load_tokenizer
 
+    if spec and Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(spec)
     return load_tokenizer(model_source(spec))
 
 
@@ -395,6 +399,8 @@ def gpu_parser(description: str, parts: list[str], default: list[str]) -> argpar
     p.add_argument("--real-contexts", type=int, nargs="+", default=[32768, 65536, 131072],
                    help="contexts of the real model (sweep and profile_small use the last)")
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer of the parts that run the engine on random "
+                   "weights: a preset id or a saved tokenizer directory (which travels where a model cannot)")
     p.add_argument("--gguf", default=None, help="target of the real parts: a GGUF file, directory or hub id "
                    "(default: the embedded SmolLM2-135M-Instruct GGUF, core.io.loading.embedded_source)")
     p.add_argument("--rope", default='{"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 8192}')

@@ -6,6 +6,7 @@ its host time beside its copies; `profile_draft`: a level-2 drafting step at tha
 (graph replay, LM head, sampling, draw) and its projections' GEMVs against cuBLAS.
 
 python -m bench.gpu_profile [--parts profile profile_small] [--contexts 122880] [--real-contexts 131072]
+python -m bench.gpu_profile --parts steps [--tokenizer DIR] [--new-tokens 128]   (the step-cost table)
 TRIFORCE_GEMV=0 swaps the Triton decode GEMV for cuBLAS. Writes bench/results/<gpu>.json (or --out).
 """
 
@@ -13,13 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
+from collections import Counter
+from typing import Callable, Iterator
 
 import torch
 
 from bench.common import (BF16, DEV, SHAPES, SMOLLM2_135M, GpuResults, ar_step_ms, fill_random, free, full_cache,
-                          gpu_main, random_model, random_retrieval, shape_key, sync_ms)
+                          gpu_main, random_model, random_retrieval, shape_key, sync_ms, tokenizer_of)
 from core.cache import OffloadedKVCache
 from core.decode import Graphs, Level
 
@@ -228,8 +232,135 @@ def profile_draft_part(args: argparse.Namespace, results: GpuResults) -> None:
     results.data["profile_draft_qwen25_15b"] = profile_draft(args.real_contexts[-1], SHAPES["qwen25_15b"])
 
 
+# --- step costs through the engine's own loops ------------------------------------------------------------------------
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # the host waits for the GPU
+STEP_SINGLE = (30_000, 124_000)  # one request: the real pair's 32K window and the YaRN x4 preset's
+STEP_BATCHED = ((1, 16_000), (2, 16_000), (4, 16_000), (8, 16_000), (1, 30_000), (2, 30_000), (4, 30_000),
+                (8, 30_000))
+YARN_X4 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1000000.0}
+
+
+def decode_window(events: Iterator, requests: int, profiler=None) -> tuple[list, float, int]:
+    """Drain a generation's events (tagged or not): the StepTiming events once every request decodes, the wall
+    seconds of that window, the tokens emitted in it; `profiler` runs over that window alone (not the prefill)."""
+    from core.events import Finished, PrefillProgress, StepTiming, Tokens
+    joined, timings, tokens, t0, t1 = set(), [], 0, None, None
+    for item in events:
+        key, e = (item.key, item.event) if hasattr(item, "event") else ("", item)
+        if isinstance(e, PrefillProgress) and e.done >= e.total:
+            joined.add(key)
+            if len(joined) == requests and t0 is None:
+                _sync()
+                if profiler is not None:
+                    profiler.start()
+                t0 = time.perf_counter()
+        elif t0 is not None and t1 is None and isinstance(e, StepTiming):
+            timings.append(e)
+        elif t0 is not None and t1 is None and isinstance(e, Tokens):
+            tokens += len(e.ids)
+        elif isinstance(e, Finished) and t1 is None and t0 is not None:
+            _sync()
+            t1 = time.perf_counter()
+            if profiler is not None:
+                profiler.stop()
+    return timings, (t1 or time.perf_counter()) - (t0 or time.perf_counter()), tokens
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def launch_counts(engine, run: Callable[[object], tuple[list, float, int]]) -> dict:
+    """Kernels launched and host waits per round and per token of a short profiled decode, and the share of its wall
+    time the GPU spent in kernels (below 1: the device idled while the host prepared the next step)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    prof = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    timings, wall, tokens = run(prof)
+    events = prof.events()
+    kernels = [e for e in events if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))]
+    syncs = sum(1 for e in events if e.device_type.name == "CPU" and e.name in SYNC_CALLS)
+    rounds = len({t.round for t in timings}) or 1
+    per_kernel: Counter = Counter()
+    for e in kernels:
+        per_kernel[e.name[:60]] += e.device_time_total
+    host: Counter = Counter()
+    for e in events:
+        if e.device_type.name == "CPU":
+            host[e.name[:60]] += e.self_cpu_time_total
+    return {"kernels_per_round": len(kernels) / rounds, "kernels_per_token": len(kernels) / max(tokens, 1),
+            "host_syncs_per_round": syncs / rounds, "host_syncs_per_token": syncs / max(tokens, 1),
+            "gpu_busy_share": sum(per_kernel.values()) / 1e6 / wall if wall else None, "profiled_rounds": rounds,
+            "top_kernels_us_per_round": {k: v / rounds for k, v in per_kernel.most_common(10)},
+            "top_host_us_per_round": {k: v / rounds for k, v in host.most_common(10)}}
+
+
+def level_costs(timings: list, roofline: dict) -> dict:
+    """Median level-3 ms per round and level-2 ms per forward of a run, each over its roofline."""
+    out = {}
+    level3 = [t.level3_ms for t in timings]
+    drafting = [t.level2_ms / t.level2_forwards for t in timings if t.level2_forwards]
+    if level3:
+        out["level3_ms"] = statistics.median(level3)
+        out["level3_over_roofline"] = out["level3_ms"] / roofline["ar_roofline_ms"] if roofline else None
+    if drafting:
+        out["level2_ms"] = statistics.median(drafting)
+        out["level2_over_roofline"] = out["level2_ms"] / roofline["level2_roofline_ms"] if roofline else None
+    out["tokens_per_round"] = statistics.mean(t.tokens for t in timings) if timings else None
+    return out
+
+
+def steps(args: argparse.Namespace, results: GpuResults) -> None:
+    """Step costs of the real target's shape (Qwen2.5-1.5B, random weights: a step's cost does not depend on the
+    values) through the engine's own loops, greedy: AR and TriForce (level 2 over the retrieval cache, no level 1)
+    for one request at STEP_SINGLE and for batches STEP_BATCHED; each level's ms per step beside its memory roofline
+    (the bandwidth measured in this run), kernels and host waits per round, the GPU's busy share."""
+    from bench.batch import prompts, random_engine, rooflines
+    from core.batching import Request
+    tok = tokenizer_of(args.tokenizer)
+    bandwidth = results.bandwidth()
+    new = args.new_tokens
+    out = results.data.setdefault("steps_qwen25_15b", {})
+
+    def measure(engine, name: str, ids: list[list[int]]) -> None:
+        roof = rooflines(engine, len(ids), len(ids[0]), engine.settings().resolved(False).budget, bandwidth)
+        row = out[name] = {"requests": len(ids), "prompt_tokens": len(ids[0]), **roof}
+        for method in ("ar", "triforce"):
+            def run(profiler, tokens: int = new, method: str = method):
+                cfg = engine.settings(method=method, greedy=True, drafter="none", max_new_tokens=tokens).validate()
+                if len(ids) == 1:
+                    return decode_window(engine.generate_ids(ids[0], cfg), 1, profiler)
+                requests = [Request(str(i), ids=p, config=cfg) for i, p in enumerate(ids)]
+                return decode_window(engine.generate_many(requests, len(ids)), len(ids), profiler)
+            run(None, 24)  # this composition's graphs captured outside the timed runs
+            timings, wall, tokens = run(None)
+            row[method] = {"tokens_per_s": tokens / wall, **level_costs(timings, roof),
+                           **launch_counts(engine, lambda prof: run(prof, 24))}
+        row["triforce_over_ar"] = row["triforce"]["tokens_per_s"] / row["ar"]["tokens_per_s"]
+        print(name, json.dumps(row), flush=True)
+        results.save()
+
+    for length in STEP_SINGLE:
+        rope = {"rope_parameters": YARN_X4} if length > 32_768 else {}
+        engine = random_engine(tok, length + new + 1024, {**SHAPES["qwen25_15b"], **rope})
+        measure(engine, f"1x{length // 1000}k{'_yarn' if rope else ''}", prompts(tok, 1, length))
+        engine.release()
+        del engine
+        free()
+    engine = random_engine(tok, max(n for _, n in STEP_BATCHED) + new + 1024, SHAPES["qwen25_15b"])
+    for count, length in STEP_BATCHED:
+        measure(engine, f"batch_{count}x{length // 1000}k", prompts(tok, count, length))
+    del engine
+    free()
+
+
+def steps_part(args: argparse.Namespace, results: GpuResults) -> None:
+    steps(args, results)
+
+
 PARTS = {"profile": profile_part, "profile_small": profile_small_part, "profile_offload": profile_offload_part,
-         "profile_draft": profile_draft_part}
+         "profile_draft": profile_draft_part, "steps": steps_part}
 
 if __name__ == "__main__":
     gpu_main(__doc__, [sys.modules[__name__]])
