@@ -311,48 +311,98 @@ def level_costs(timings: list, roofline: dict) -> dict:
     return out
 
 
+def ragged_step_ms(model, caches: list, ops, reps: int = 20) -> tuple[float, float]:
+    """One decode step of a batch, a row per cache, replayed from a CUDA graph as the engine's batch steps are, with
+    its LM head and greedy tokens read back: its median ms and the kernels it launches."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from core.cache.ragged import Ragged
+    from core.decode.graphs import RaggedGraphs
+    graphs = RaggedGraphs(Graphs())
+    ids = torch.zeros(len(caches), dtype=torch.long)
+
+    def step() -> None:
+        hidden, _ = graphs.step(model, Ragged([(c, 1) for c in caches]), ids, 0, ops)
+        model.head(hidden, ops).argmax(-1).tolist()
+        for c in caches:  # the same lengths every step
+            c.truncate(c.seq_len - 1)
+    ms = sync_ms(step, reps)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA"
+                  and not e.name.startswith(("Memcpy", "Memset")))
+    return ms, kernels / 5
+
+
+def batch_steps(shape: dict, bandwidth: float, budget: int = 4096) -> dict:
+    """Level 3's and level 2's batched decode step (a row per request; level 2 over each request's retrieval cache
+    at `budget`, through the drafting operators) at STEP_BATCHED, each beside its memory roofline."""
+    from core.cache.memory import kv_bytes_per_token
+    model = random_model(shape)
+    weights, token = model.step_weight_bytes(), kv_bytes_per_token(model)
+    out = {}
+    with torch.inference_mode():
+        for count, length in STEP_BATCHED:
+            fulls = [full_cache(model, length + 64) for _ in range(count)]
+            for c in fulls:
+                fill_random(c, length)
+            retrieval = [random_retrieval(c, length, model.ops, budget=budget)[1] for c in fulls]
+            ar_ms, ar_kernels = ragged_step_ms(model, fulls, model.ops)
+            l2_ms, l2_kernels = ragged_step_ms(model, retrieval, model.ops.drafting())
+            ar_roof = (weights + count * length * token) / bandwidth * 1e3
+            l2_roof = (weights + sum(c.used for c in retrieval) * token) / bandwidth * 1e3
+            row = out[f"{count}x{length // 1000}k"] = {
+                "requests": count, "prompt_tokens": length, "ar_ms": ar_ms, "ar_roofline_ms": ar_roof,
+                "ar_over_roofline": ar_ms / ar_roof, "ar_kernels": ar_kernels, "level2_ms": l2_ms,
+                "level2_roofline_ms": l2_roof, "level2_over_roofline": l2_ms / l2_roof, "level2_kernels": l2_kernels}
+            print(f"batch {count}x{length}", json.dumps(row), flush=True)
+            del fulls, retrieval
+            free()
+    del model
+    free()
+    return out
+
+
 def steps(args: argparse.Namespace, results: GpuResults) -> None:
     """Step costs of the real target's shape (Qwen2.5-1.5B, random weights: a step's cost does not depend on the
-    values) through the engine's own loops, greedy: AR and TriForce (level 2 over the retrieval cache, no level 1)
-    for one request at STEP_SINGLE and for batches STEP_BATCHED; each level's ms per step beside its memory roofline
-    (the bandwidth measured in this run), kernels and host waits per round, the GPU's busy share."""
+    values): one request at STEP_SINGLE through the engine's own loop, greedy, AR and TriForce (level 2 over the
+    retrieval cache, no level 1), with kernels and host waits per round and the GPU's busy share; batched steps at
+    STEP_BATCHED (batch_steps); each level's ms per step beside its memory roofline (the bandwidth measured in this
+    run)."""
     from bench.batch import prompts, random_engine, rooflines
-    from core.batching import Request
     tok = tokenizer_of(args.tokenizer)
     bandwidth = results.bandwidth()
     new = args.new_tokens
     out = results.data.setdefault("steps_qwen25_15b", {})
-
-    def measure(engine, name: str, ids: list[list[int]]) -> None:
-        roof = rooflines(engine, len(ids), len(ids[0]), engine.settings().resolved(False).budget, bandwidth)
-        row = out[name] = {"requests": len(ids), "prompt_tokens": len(ids[0]), **roof}
+    for length in STEP_SINGLE:
+        rope = {"rope_parameters": YARN_X4} if length > 32_768 else {}
+        engine = random_engine(tok, length + new + 1024, {**SHAPES["qwen25_15b"], **rope})
+        ids = prompts(tok, 1, length)[0]
+        roof = rooflines(engine, 1, length, engine.settings().resolved(False).budget, bandwidth)
+        row = out[f"1x{length // 1000}k{'_yarn' if rope else ''}"] = {"prompt_tokens": length, **roof}
         for method in ("ar", "triforce"):
             def run(profiler, tokens: int = new, method: str = method):
                 cfg = engine.settings(method=method, greedy=True, drafter="none", max_new_tokens=tokens).validate()
-                if len(ids) == 1:
-                    return decode_window(engine.generate_ids(ids[0], cfg), 1, profiler)
-                requests = [Request(str(i), ids=p, config=cfg) for i, p in enumerate(ids)]
-                return decode_window(engine.generate_many(requests, len(ids)), len(ids), profiler)
-            run(None, 24)  # this composition's graphs captured outside the timed runs
+                return decode_window(engine.generate_ids(ids, cfg), 1, profiler)
+            run(None, 24)  # graphs captured outside the timed runs
             timings, wall, tokens = run(None)
             row[method] = {"tokens_per_s": tokens / wall, **level_costs(timings, roof),
                            **launch_counts(engine, lambda prof: run(prof, 24))}
         row["triforce_over_ar"] = row["triforce"]["tokens_per_s"] / row["ar"]["tokens_per_s"]
-        print(name, json.dumps(row), flush=True)
+        print(length, json.dumps(row), flush=True)
         results.save()
-
-    for length in STEP_SINGLE:
-        rope = {"rope_parameters": YARN_X4} if length > 32_768 else {}
-        engine = random_engine(tok, length + new + 1024, {**SHAPES["qwen25_15b"], **rope})
-        measure(engine, f"1x{length // 1000}k{'_yarn' if rope else ''}", prompts(tok, 1, length))
         engine.release()
         del engine
         free()
-    engine = random_engine(tok, max(n for _, n in STEP_BATCHED) + new + 1024, SHAPES["qwen25_15b"])
-    for count, length in STEP_BATCHED:
-        measure(engine, f"batch_{count}x{length // 1000}k", prompts(tok, count, length))
-    del engine
-    free()
+    out["batched"] = batch_steps(SHAPES["qwen25_15b"], bandwidth)
+    single, batched = out.get("1x30k", {}), out["batched"]
+    results.summary.setdefault("real", {}).update({  # a step's cost does not depend on the weights' values
+        "ar_over_roofline_30k": single.get("ar", {}).get("level3_over_roofline"),
+        "level2_over_roofline_30k": single.get("triforce", {}).get("level2_over_roofline")})
+    results.summary.setdefault("batch", {}).update({
+        "real_batch_ar_over_roofline_8x30k": batched.get("8x30k", {}).get("ar_over_roofline")})
 
 
 def steps_part(args: argparse.Namespace, results: GpuResults) -> None:

@@ -109,6 +109,9 @@ ABOUT = {
                                "PDF built to be slow to read."),
     "served-stop": About("Stop during a prefill (CPU)", "How soon a short run finishes after Stop lands inside a "
                          "long prefill."),
+    "NVIDIA-H100-80GB-HBM3": About("What a step of the real target's shape costs (H100)", "Qwen2.5-Coder-1.5B's "
+                                   "shape with random weights (a step's cost does not depend on the values): "
+                                   "`bench.gpu_profile --parts steps`."),
     "needle-long-NVIDIA-H100-80GB-HBM3": About("A needle at 30K to 124K tokens, the real 128K preset (H100)",
                                                "Qwen2.5-Coder-1.5B with YaRN ×4 (qwen2.5-coder-1.5b-128k), greedy: "
                                                "an access code of its own hidden at 25 % and 60 % depth in the "
@@ -566,6 +569,32 @@ def figures(stem: str, data: dict, results: dict[str, dict] | None = None) -> It
                                                       f"{b['level2_over_roofline']:.2f}×"]
                                                      if b.get("level2_over_roofline") else ["—"] * 3),
                  f"{b['copy_bandwidth_tb_s']:.2f} TB/s"] for name, b in roofs.items()))
+    elif "steps_qwen25_15b" in data:
+        steps = data["steps_qwen25_15b"]
+        yield ("One request through the engine's own loop (greedy; TriForce: level 2 alone, budget 4,096): each "
+               "level's median step beside what it must read over the copy bandwidth "
+               f"({data.get('copy_bandwidth_tb_s', 0):.2f} TB/s), the kernels and host waits of a round, and the "
+               "share of the wall time the GPU spent in kernels.")
+        yield ""
+        yield from grid(["prompt tokens", "method", "level", "step ms", "its roofline ms", "ratio", "kernels / round",
+                         "host waits / round", "GPU busy", "tokens/s"], (
+            [name.replace("_yarn", " (YaRN ×4)"), method, level, f"{r[f'{level_key}_ms']:.2f}",
+             f"{row[roof]:.2f}", f"{r[f'{level_key}_over_roofline']:.2f}×", f"{r['kernels_per_round']:.0f}",
+             f"{r['host_syncs_per_round']:.1f}", f"{r['gpu_busy_share']:.0%}", f"{r['tokens_per_s']:.0f}"]
+            for name, row in steps.items() if name != "batched" for method in ("ar", "triforce")
+            for level, level_key, roof in (("3", "level3", "ar_roofline_ms"), ("2", "level2", "level2_roofline_ms"))
+            if (r := row[method]).get(f"{level_key}_ms")))
+        if steps.get("batched"):
+            yield ""
+            yield ("A batch's decode step, a row per request, replayed from its CUDA graph with the LM head and the "
+                   "tokens read back (level 2 over each request's retrieval cache):")
+            yield ""
+            yield from grid(["batch", "level-3 step ms", "roofline ms", "ratio", "kernels", "level-2 step ms",
+                             "roofline ms", "ratio", "kernels"], (
+                [name, f"{b['ar_ms']:.2f}", f"{b['ar_roofline_ms']:.2f}", f"{b['ar_over_roofline']:.2f}×",
+                 f"{b['ar_kernels']:.0f}", f"{b['level2_ms']:.2f}", f"{b['level2_roofline_ms']:.2f}",
+                 f"{b['level2_over_roofline']:.2f}×", f"{b['level2_kernels']:.0f}"]
+                for name, b in steps["batched"].items()))
     elif stem == "served-stop":
         yield "Seconds from Stop until a short run then finished: " + ", ".join(
             f"{x:.1f}" for x in data["seconds_until_next_run_finished"]) + "."
