@@ -62,13 +62,33 @@ class Throttle:
         return False
 
 
-def choose_sample(title: str | None) -> tuple[str, gr.Dataset, str, str]:
-    """Load a bundled sample: its text, its example instructions, the first of them, and no upload's note."""
+UPLOADED = "📄 "  # an uploaded file's entry in the sample menu starts so; no sample's title does
+
+
+def sample_menu(chosen: str) -> gr.Dropdown:
+    """The sample menu with `chosen` in it: the bundled samples' titles, and an uploaded file's entry (UPLOADED)."""
+    titles = [s.title for s in load_samples()]
+    return gr.Dropdown(choices=titles + [chosen] * (chosen not in titles), value=chosen)
+
+
+def upload_entry(name: str) -> str:
+    """An uploaded file's entry in the sample menu: its name, no longer than the longest sample title, which the
+    menu shows whole (tests/test_browser.py: FITS), "…" included."""
+    titles = [s.title for s in load_samples()]
+    return UPLOADED + cut(name, max(map(len, titles)) - len(UPLOADED) - 1 if titles else len(name))
+
+
+def choose_sample(title: str | None) -> tuple[str, gr.Dataset, str, str, gr.Dropdown]:
+    """Load a bundled sample: its text, its example instructions, the first of them, no upload's note, and the menu
+    of the samples alone (an upload's entry leaves it); the upload's own entry, chosen again, changes nothing."""
+    if title and title.startswith(UPLOADED):
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
     sample = next((s for s in load_samples() if s.title == title), None)
     if sample is None:
         raise refuse(f"Unknown sample {quote(title)}.")
     instructions = list(sample.instructions) or list(GENERIC_INSTRUCTIONS)
-    return sample.read(), gr.Dataset(samples=[[i] for i in instructions]), instructions[0], ""
+    menu = sample_menu(sample.title)
+    return sample.read(), gr.Dataset(samples=[[i] for i in instructions]), instructions[0], "", menu
 
 
 def upload_document(path: str | None, request: gr.Request) -> str:
@@ -99,11 +119,12 @@ def upload_note(path: str | None, preset_name: Any) -> str:
     return " ".join(part for part in (name, EMBEDDED_ON_YOURS if embedded else "") if part)
 
 
-def leave_sample(path: str | None = None, preset_name: Any = None) -> tuple[None, gr.Dataset, str, str]:
-    """After an upload: no sample selected, the instruction and its examples generic ones (a sample's questions are
-    about that sample), and the upload's note (upload_note)."""
-    return (None, gr.Dataset(samples=[[i] for i in GENERIC_INSTRUCTIONS]), GENERIC_INSTRUCTIONS[0],
-            upload_note(path, preset_name))
+def leave_sample(path: str | None = None, preset_name: Any = None) -> tuple[gr.Dropdown, gr.Dataset, str, str]:
+    """After an upload: the file named in the sample menu in a sample's place, the instruction and its examples
+    generic ones (a sample's questions are about that sample), and the upload's note (upload_note)."""
+    menu = sample_menu(upload_entry(Path(path).name)) if path else gr.skip()
+    examples = gr.Dataset(samples=[[i] for i in GENERIC_INSTRUCTIONS])
+    return menu, examples, GENERIC_INSTRUCTIONS[0], upload_note(path, preset_name)
 
 
 def pick_instruction(sample: list[str] | str) -> str:

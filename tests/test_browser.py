@@ -203,14 +203,15 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
         assert "time to first token" in bars and "TriForce" in bars and re.search(r"auto: (autoregressive|drafting|"
                                                                                    r"\d+/\d+ tokens AR)", bars)
 
-        # an upload replaces the sample: no sample selected, and questions about a document in general
+        # an upload replaces the sample: the menu names the file in its place, and questions about a document in general
         page.get_by_role("tab", name="TriForce").click()
         with page.expect_file_chooser() as chooser:
             page.click("#upload")
         chooser.value.set_files(str(ROOT / "core" / "decode" / "sampling.py"))
         page.wait_for_function("() => document.querySelector('#document textarea').value.includes('def nucleus')",
                                timeout=30_000)
-        page.wait_for_function("() => document.querySelector('#sample input').value === ''")
+        page.wait_for_function("() => document.querySelector('#sample input').value === '📄 sampling.py'")
+        assert page.evaluate(FITS, "sample")
         assert page.input_value("#instruction textarea") != first.instructions[0]
         assert first.instructions[0] not in text(page, "#examples")
         assert "Invalid file type" not in page.content()
