@@ -62,6 +62,27 @@ class Throttle:
         return False
 
 
+class Redraw:
+    """Whether to draw a run's plots again: at most once per PLOT_INTERVAL_S, and only once what they are drawn from
+    has changed (a prompt, a selection, a round, a token, the end). A prefill's progress or a wait draws nothing
+    new, and a plot's frame holds the app's one interpreter lock (Gradio's postprocessing of the figure) that the
+    batch's decoding shares: a second visitor's long prefill, redrawn four times a second, held it a third of the
+    time it was held at all (py-spy)."""
+
+    def __init__(self) -> None:
+        self.gate = Throttle(PLOT_INTERVAL_S)
+        self.drawn: tuple | None = None
+
+    def due(self, now: float, force: bool, *states: RunState) -> bool:
+        """Whether to redraw now; records the redraw when it says yes."""
+        drawn_from = tuple((len(s.chunk_texts), len(s.selection_rounds), len(s.rounds), len(s.pieces), s.finished)
+                           for s in states)
+        if drawn_from == self.drawn or not self.gate.due(now, force):
+            return False
+        self.drawn = drawn_from
+        return True
+
+
 UPLOADED = "📄 "  # an uploaded file's entry in the sample menu starts so; no sample's title does
 
 
@@ -283,7 +304,7 @@ def run_triforce(values: Mapping[str, Any], turn: Ticket | None = None) -> Itera
     config, = _on_device(chosen, config)
     deadline = Deadline(run_seconds())  # the job's time runs from here (its models are loaded), not while in line
     state = RunState(method=config.method, batched=BATCHED)
-    text_gate, plot_gate = Throttle(TEXT_INTERVAL_S), Throttle(PLOT_INTERVAL_S)
+    text_gate, redraw = Throttle(TEXT_INTERVAL_S), Redraw()
     yield {"status": "⏳ Starting…", "answer": answer_html(None),
            "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": document_html(state),
            "timeline": timeline_html(state), "stats": "", "stats_json": {}, "costs": cost_figure([], None),
@@ -297,7 +318,7 @@ def run_triforce(values: Mapping[str, Any], turn: Ticket | None = None) -> Itera
             (isinstance(event, Tokens) and len(state.token_ids) == len(event.ids))  # the first selection or tokens
         force = first or isinstance(event, (InLine, PromptReady, Finished))
         if text_gate.due(now, force):
-            yield triforce_frame(state, mode, plot_gate.due(now, force))
+            yield triforce_frame(state, mode, redraw.due(now, force, state))
     if not state.finished:  # the stream ended without Finished: show the last state in full
         yield triforce_frame(state, mode, True)
 
@@ -443,7 +464,7 @@ def run_compare(values: Mapping[str, Any], turn: Ticket | None = None) -> Iterat
         return out
 
     yield frame("⏳ Starting…", with_costs=True)
-    plot_gate = Throttle(PLOT_INTERVAL_S)
+    redraw = Redraw()
     for method in runs:
         state = runs[method]
         for event in _stream(chosen, document, instruction, configs[method], state, deadline, turn):
@@ -453,7 +474,7 @@ def run_compare(values: Mapping[str, Any], turn: Ticket | None = None) -> Iterat
             now = time.monotonic()
             if gate.due(now, isinstance(event, (InLine, Finished))):
                 yield frame(f"{method_name(state)}: {status_markdown(state)}",
-                            plot_gate.due(now, isinstance(event, Finished)))
+                            redraw.due(now, isinstance(event, Finished), *runs.values()))
     yield frame("✅ All three runs finished.", with_costs=True)
 
 

@@ -335,6 +335,19 @@ def test_a_rejected_line_break_is_a_visible_mark_and_a_single_round_or_selection
         assert bar.dtick >= 1 and float(bar.dtick).is_integer() and bar.tick0 == 0 and bar.tickformat == "d"
 
 
+def test_plots_are_drawn_again_only_once_what_they_show_has_changed() -> None:
+    state, redraw = RunState(), callbacks.Redraw()
+    apply_event(state, prompt_event(4))
+    assert redraw.due(0.0, False, state)
+    apply_event(state, PrefillProgress(done=2, total=4, seconds=1.0, cache_bytes=0))
+    assert not redraw.due(10.0, False, state) and not redraw.due(20.0, True, state)  # a prefill's progress, a wait
+    apply_event(state, tokens_event(["A"], ["level3"], 0))
+    assert redraw.due(10.0, False, state)
+    apply_event(state, tokens_event(["B"], ["level3"], 1))
+    assert not redraw.due(10.1, False, state)  # within PLOT_INTERVAL_S of the last drawing
+    assert redraw.due(10.0 + callbacks.PLOT_INTERVAL_S, False, state)
+
+
 def test_an_upload_is_named_in_the_sample_menu_and_its_questions_are_generic_ones() -> None:
     titles = [sample.title for sample in callbacks.load_samples()]
     menu, examples, instruction, _ = callbacks.leave_sample("/tmp/gradio/ab12/notes.pdf")
