@@ -321,8 +321,8 @@ def prefill_words(prefills: int, seconds: float, device: str) -> str | None:
     prompt, 6.1 s of its decoding"); None where none did."""
     if not prefills:
         return None
-    return (f"the {device_word(device)} also read {plural(prefills, 'other run')}'s prompt"
-            f"{'s' if prefills > 1 else ''}, {seconds:.1f} s of its decoding")
+    whose = "1 other run's prompt" if prefills == 1 else f"{prefills:,} other runs' prompts"
+    return f"the {device_word(device)} also read {whose}, {seconds:.1f} s of its decoding"
 
 
 def sharing_line(state: RunState) -> str | None:

@@ -76,7 +76,7 @@ def test_compare_says_which_run_shared_the_device_and_which_ran_alone() -> None:
 
 def test_a_run_that_decoded_beside_another_runs_prefill_says_why_it_slowed_and_never_that_it_ran_alone() -> None:
     from app.state import apply_event
-    from app.views import stats_for, status_markdown
+    from app.views import prefill_words, stats_for, status_markdown
     from core.batching import PACE_BESIDE_PREFILL
     from core.cli.main import _stats_line
     from core.events import PrefillBeside, Tokens
@@ -94,6 +94,7 @@ def test_a_run_that_decoded_beside_another_runs_prefill_says_why_it_slowed_and_n
     assert callbacks.sharing_line(state) == (f"Autoregressive {words} — its ratio is not a clean single-request "
                                              "figure")
     assert "1 other request prefilled beside it (6.1 s of its decoding)" in _stats_line(state.final_stats)
+    assert prefill_words(3, 2.0, "cuda:0") == "the GPU also read 3 other runs' prompts, 2.0 s of its decoding"
 
 
 def test_raw_stats_files_are_kept_for_every_run_that_can_finish_together_and_no_other_file_is_touched(
