@@ -62,13 +62,54 @@ class Throttle:
         return False
 
 
-def choose_sample(title: str | None) -> tuple[str, gr.Dataset, str, str]:
-    """Load a bundled sample: its text, its example instructions, the first of them, and no upload's note."""
+class Redraw:
+    """Whether to draw a run's plots again: at most once per PLOT_INTERVAL_S, and only once what they are drawn from
+    has changed (a prompt, a selection, a round, a token, the end). A prefill's progress or a wait draws nothing
+    new, and a plot's frame holds the app's one interpreter lock (Gradio's postprocessing of the figure) that the
+    batch's decoding shares: a second visitor's long prefill, redrawn four times a second, held it a third of the
+    time it was held at all (py-spy)."""
+
+    def __init__(self) -> None:
+        self.gate = Throttle(PLOT_INTERVAL_S)
+        self.drawn: tuple | None = None
+
+    def due(self, now: float, force: bool, *states: RunState) -> bool:
+        """Whether to redraw now; records the redraw when it says yes."""
+        drawn_from = tuple((len(s.chunk_texts), len(s.selection_rounds), len(s.rounds), len(s.pieces), s.finished)
+                           for s in states)
+        if drawn_from == self.drawn or not self.gate.due(now, force):
+            return False
+        self.drawn = drawn_from
+        return True
+
+
+UPLOADED = "📄 "  # an uploaded file's entry in the sample menu starts so; no sample's title does
+
+
+def sample_menu(chosen: str) -> gr.Dropdown:
+    """The sample menu with `chosen` in it: the bundled samples' titles, and an uploaded file's entry (UPLOADED)."""
+    titles = [s.title for s in load_samples()]
+    return gr.Dropdown(choices=titles + [chosen] * (chosen not in titles), value=chosen)
+
+
+def upload_entry(name: str) -> str:
+    """An uploaded file's entry in the sample menu: its name, no longer than the longest sample title, which the
+    menu shows whole (tests/test_browser.py: FITS), "…" included."""
+    titles = [s.title for s in load_samples()]
+    return UPLOADED + cut(name, max(map(len, titles)) - len(UPLOADED) - 1 if titles else len(name))
+
+
+def choose_sample(title: str | None) -> tuple[str, gr.Dataset, str, str, gr.Dropdown]:
+    """Load a bundled sample: its text, its example instructions, the first of them, no upload's note, and the menu
+    of the samples alone (an upload's entry leaves it); the upload's own entry, chosen again, changes nothing."""
+    if title and title.startswith(UPLOADED):
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
     sample = next((s for s in load_samples() if s.title == title), None)
     if sample is None:
         raise refuse(f"Unknown sample {quote(title)}.")
     instructions = list(sample.instructions) or list(GENERIC_INSTRUCTIONS)
-    return sample.read(), gr.Dataset(samples=[[i] for i in instructions]), instructions[0], ""
+    menu = sample_menu(sample.title)
+    return sample.read(), gr.Dataset(samples=[[i] for i in instructions]), instructions[0], "", menu
 
 
 def upload_document(path: str | None, request: gr.Request) -> str:
@@ -99,11 +140,12 @@ def upload_note(path: str | None, preset_name: Any) -> str:
     return " ".join(part for part in (name, EMBEDDED_ON_YOURS if embedded else "") if part)
 
 
-def leave_sample(path: str | None = None, preset_name: Any = None) -> tuple[None, gr.Dataset, str, str]:
-    """After an upload: no sample selected, the instruction and its examples generic ones (a sample's questions are
-    about that sample), and the upload's note (upload_note)."""
-    return (None, gr.Dataset(samples=[[i] for i in GENERIC_INSTRUCTIONS]), GENERIC_INSTRUCTIONS[0],
-            upload_note(path, preset_name))
+def leave_sample(path: str | None = None, preset_name: Any = None) -> tuple[gr.Dropdown, gr.Dataset, str, str]:
+    """After an upload: the file named in the sample menu in a sample's place, the instruction and its examples
+    generic ones (a sample's questions are about that sample), and the upload's note (upload_note)."""
+    menu = sample_menu(upload_entry(Path(path).name)) if path else gr.skip()
+    examples = gr.Dataset(samples=[[i] for i in GENERIC_INSTRUCTIONS])
+    return menu, examples, GENERIC_INSTRUCTIONS[0], upload_note(path, preset_name)
 
 
 def pick_instruction(sample: list[str] | str) -> str:
@@ -262,7 +304,7 @@ def run_triforce(values: Mapping[str, Any], turn: Ticket | None = None) -> Itera
     config, = _on_device(chosen, config)
     deadline = Deadline(run_seconds())  # the job's time runs from here (its models are loaded), not while in line
     state = RunState(method=config.method, batched=BATCHED)
-    text_gate, plot_gate = Throttle(TEXT_INTERVAL_S), Throttle(PLOT_INTERVAL_S)
+    text_gate, redraw = Throttle(TEXT_INTERVAL_S), Redraw()
     yield {"status": "⏳ Starting…", "answer": answer_html(None),
            "heatmap": empty_figure("The retrieval heatmap appears after prefill."), "doc_view": document_html(state),
            "timeline": timeline_html(state), "stats": "", "stats_json": {}, "costs": cost_figure([], None),
@@ -276,7 +318,7 @@ def run_triforce(values: Mapping[str, Any], turn: Ticket | None = None) -> Itera
             (isinstance(event, Tokens) and len(state.token_ids) == len(event.ids))  # the first selection or tokens
         force = first or isinstance(event, (InLine, PromptReady, Finished))
         if text_gate.due(now, force):
-            yield triforce_frame(state, mode, plot_gate.due(now, force))
+            yield triforce_frame(state, mode, redraw.due(now, force, state))
     if not state.finished:  # the stream ended without Finished: show the last state in full
         yield triforce_frame(state, mode, True)
 
@@ -422,7 +464,7 @@ def run_compare(values: Mapping[str, Any], turn: Ticket | None = None) -> Iterat
         return out
 
     yield frame("⏳ Starting…", with_costs=True)
-    plot_gate = Throttle(PLOT_INTERVAL_S)
+    redraw = Redraw()
     for method in runs:
         state = runs[method]
         for event in _stream(chosen, document, instruction, configs[method], state, deadline, turn):
@@ -432,7 +474,7 @@ def run_compare(values: Mapping[str, Any], turn: Ticket | None = None) -> Iterat
             now = time.monotonic()
             if gate.due(now, isinstance(event, (InLine, Finished))):
                 yield frame(f"{method_name(state)}: {status_markdown(state)}",
-                            plot_gate.due(now, isinstance(event, Finished)))
+                            redraw.due(now, isinstance(event, Finished), *runs.values()))
     yield frame("✅ All three runs finished.", with_costs=True)
 
 

@@ -241,7 +241,7 @@ def build_demo() -> gr.Blocks:
         jobs = handlers(seats())  # every admitted job's handler at once, and a few to refuse the others at once
         line = Jobs(seats())  # the generation jobs of both tabs, admitted by their handlers (app.service)
         inputs = {"document": document, "instruction": instruction, "preset_name": preset_name, **quick, **panel}
-        sample.input(callbacks.choose_sample, sample, [document, examples, instruction, uploaded],
+        sample.input(callbacks.choose_sample, sample, [document, examples, instruction, uploaded, sample],
                      api_name="choose_sample")
         upload.upload(callbacks.upload_document, upload, document, api_name="upload_document",
                       concurrency_limit=UPLOAD_READERS).success(

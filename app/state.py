@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from core.events import (Acceptance, Event, Finished, Loading, PlanChosen, PrefillProgress, PromptReady,
-                         RetrievalSelection, Stats, StepTiming, Tokens, Verdict, event_from_dict)
+from core.events import (Acceptance, Event, Finished, Loading, PlanChosen, PrefillBeside, PrefillProgress,
+                         PromptReady, RetrievalSelection, Stats, StepTiming, Tokens, Verdict, event_from_dict)
 
 MAX_COLUMNS = 384  # heatmap columns: about what a screen shows of a document; the download has every chunk
 MAX_KEPT_SELECTIONS = 1024  # distinct selections kept at full resolution for the download (memory stays bounded)
@@ -109,6 +109,7 @@ class RunState:
     prefill_s: float = 0.0
     prefill_reused: bool = False
     prefill_ended: float | None = None
+    prefill_beside: PrefillBeside | None = None  # another run's prompt being prefilled on its device now (batched)
     cache_bytes: int = 0
     retrieval_cache_bytes: int = 0
     budget: int = 0
@@ -279,6 +280,8 @@ def apply_event(state: RunState, event: Event, now: float | None = None) -> RunS
             state.prefill_reused, state.cache_bytes = event.reused, event.cache_bytes
             if event.done >= event.total:
                 state.prefill_ended, state.stage = now, "decoding"
+        case PrefillBeside():
+            state.prefill_beside = event if event.prompt_tokens else None
         case RetrievalSelection():
             _selection(state, event)
         case PlanChosen():
@@ -295,7 +298,7 @@ def apply_event(state: RunState, event: Event, now: float | None = None) -> RunS
             _tokens(state, event, now)
         case Finished():
             state.final_stats, state.text, state.token_ids = event.stats, event.text, list(event.token_ids)
-            state.stage = "finished"
+            state.stage, state.prefill_beside = "finished", None
     return state
 
 
@@ -335,7 +338,8 @@ def live_stats(state: RunState, now: float | None = None) -> dict:
             "warmup_s": s.warmup_s, "plans": [{"round": p.round, "plan": p.plan, "reason": p.reason}
                                               for p in state.plans], "finished": state.finished,
             "stopped": state.stopped_at is not None and not state.finished,
-            "shared_with": s.shared_with if state.finished else None}
+            "shared_with": s.shared_with if state.finished else None,
+            "prefills_beside": s.prefills_beside if state.finished else None, "prefill_beside_s": s.prefill_beside_s}
 
 
 LEVEL1_LABELS = {"model": "draft model + StreamingLLM cache", "ngram": "n-gram lookup in the text"}

@@ -8,6 +8,7 @@ import html
 import numpy as np
 
 from app.state import Rejection, RunState, live_stats
+from core.batching import PACE_BESIDE_PREFILL
 from core.events import PROVENANCE_LABELS
 
 # Where an answer token came from (core.events.Provenance): its label (core's one vocabulary) and its colour, that of
@@ -231,8 +232,10 @@ def stats_markdown(stats: dict) -> str:
         rows.append(("warm-up (CUDA graphs captured, not in decode time)", f"{stats['warmup_s']:.2f} s"))
     if stats.get("shared_with") is not None:
         beside = stats["shared_with"]
-        rows.append(("decoded beside other runs (most at once)",
-                     f"{beside} (batched)" if beside else "none: it ran alone"))
+        prefills = prefill_words(stats.get("prefills_beside") or 0, stats.get("prefill_beside_s") or 0.0,
+                                 stats.get("device") or "")
+        words = [f"{beside} (batched)" if beside else "none" if prefills else "none: it ran alone", prefills]
+        rows.append(("decoded beside other runs (most at once)", "; ".join(word for word in words if word)))
     if stats.get("device"):
         rows.append(("device · dtype", f"{stats['device']} · {stats.get('dtype', '')}"))
     if stats.get("dropped_tokens"):
@@ -308,16 +311,33 @@ def run_label(state: RunState) -> str:
     return f"{name}: " + ("autoregressive" if plain == n else "drafting" if not plain else f"{plain}/{n} tokens AR")
 
 
-def sharing_line(state: RunState) -> str | None:
-    """Whether a finished run had the device to itself: "ran alone", or beside how many other requests (its speed,
-    and a ratio against it, then not a clean single-request figure); None before it finished."""
-    if state.final_stats is None:
+def device_word(device: str) -> str:
+    """A torch device's name as a visitor reads it: "GPU" or "CPU"."""
+    return "GPU" if device.startswith("cuda") else "CPU"
+
+
+def prefill_words(prefills: int, seconds: float, device: str) -> str | None:
+    """What other runs' prefills took of a run's device between its rounds ("the CPU also read 1 other run's
+    prompt, 6.1 s of its decoding"); None where none did."""
+    if not prefills:
         return None
-    beside = state.final_stats.shared_with
-    if not beside:
+    whose = "1 other run's prompt" if prefills == 1 else f"{prefills:,} other runs' prompts"
+    return f"the {device_word(device)} also read {whose}, {seconds:.1f} s of its decoding"
+
+
+def sharing_line(state: RunState) -> str | None:
+    """Whether a finished run had the device to itself: "ran alone", or beside how many other requests and other
+    runs' prefills (its speed, and a ratio against it, then not a clean single-request figure); None before it
+    finished."""
+    s = state.final_stats
+    if s is None:
+        return None
+    prefills = prefill_words(s.prefills_beside, s.prefill_beside_s, s.device)
+    if not s.shared_with and not prefills:
         return f"{method_name(state)} ran alone"
-    return (f"{method_name(state)} ran beside {plural(beside, 'other request')} — its ratio is not a clean "
-            "single-request figure")
+    beside = [f"ran beside {plural(s.shared_with, 'other request')}" if s.shared_with else "", prefills or ""]
+    return f"{method_name(state)} {' and '.join(part for part in beside if part)} — its ratio is not a clean " \
+           "single-request figure"
 
 
 BATCH_WORDS = ((" (batched)", ""), (", batched)", ")"), (" for the batch", ""))  # core's plan words for a batch
@@ -379,6 +399,10 @@ def status_markdown(state: RunState) -> str:
         line = f"⏳ {state.stage.capitalize()} ({state.load_fraction:.0%})"
     elif state.stage == "decoding":  # before its first token the prefill's last words would read as a stall
         line = f"▶️ Decoding: {plural(len(state.pieces), 'token')}" if state.pieces else "▶️ Decoding: the first token"
+        if state.prefill_beside is not None:  # why it slowed: another visitor's prompt read between its rounds
+            line += (f" · slower while the {device_word(state.prefill_beside.device)} also reads another run's "
+                     f"{state.prefill_beside.prompt_tokens:,}-token prompt (about {PACE_BESIDE_PREFILL:.0%} of "
+                     "its pace meanwhile)")
     else:
         line = "⏳ Starting…"
     notes = [placement_markdown(state.caches) if state.offloaded else None, plan_line(state), truncation_line(state)]

@@ -34,6 +34,12 @@ planner method auto against autoregressive decoding through the served app's Com
       at ~8K tokens (its whole context), greedy and sampled, after a warm-up click: the tokens/s ratios and the
       plans with their reasons, merged into summary.planner of bench/results/planner.json.
       python -m bench.served planner [--doc-tokens 7900] [--clicks 2]
+pace  a lone visitor's decode rate while a second visitor's long prompt (the ~6K-token needle sample, a new copy
+      each trial: nothing to reuse) is prefilled beside it, against its rate alone: TriForce-tab runs through the
+      served app, the embedded model on the CPU, greedy, the second visitor submitted as the first one's prefill
+      begins (it fills as soon as the first decodes, and outlasts it). Target: at least 0.7 of alone (by design
+      1 / (1 + core.batching.PREFILL_SHARE)), or the first visitor's status saying why it slowed.
+      python -m bench.served pace [--trials 3] [--new-tokens 128]
 """
 
 from __future__ import annotations
@@ -472,6 +478,65 @@ def planner(args: argparse.Namespace) -> None:
     print(f"planner figures merged into {merge_summary('planner', 'planner', figures)}")
 
 
+NEEDLE = "needle.txt"  # the long sample a second visitor picks
+SLOWER = "slower while"  # the first visitor's status while a prefill runs beside it (app.views.status_markdown)
+STATUS, STATS = 0, 5  # the /triforce endpoint's outputs: its status line and its stats as a dict
+TARGET_PACE = 0.7  # issue 59's bound on a lone visitor's rate beside a prefill, over alone (unless told why)
+
+
+def paced(client, run: dict, second=None, trial: int = 0) -> dict:
+    """One TriForce-tab run of `run`'s settings, alone or (`second`: another visitor's client) beside another
+    visitor's long prompt, submitted once the run is seen prefilling: its decode figures, whether its status said
+    why it slowed, and where the other visitor's run stood when it ended (which is then stopped)."""
+    job = client.submit(**run, api_name="/triforce")
+    other = None
+    if second is not None:
+        begun = ("⏳ Prefill", "▶️")  # its status once it has its seat (prefilling or decoding)
+        while not job.done() and not any(frame[STATUS].startswith(begun) for frame in job.outputs()):
+            time.sleep(0.05)
+        other = second.submit(document=f"Copy {trial}.\n\n" + (DOCS / NEEDLE).read_text(),
+                              instruction="What is the pass key?", preset_name=EMBEDDED, max_new_tokens=4,
+                              api_name="/triforce")
+    frames = list(job)
+    stats = frames[-1][STATS]
+    row = {key: stats.get(key) for key in ("tokens_per_s", "new_tokens", "decode_s", "shared_with",
+                                           "prefills_beside", "prefill_beside_s")}
+    row["told_why"] = any(SLOWER in frame[STATUS] for frame in frames)
+    if other is not None:
+        row["other_status_at_end"] = other.outputs()[-1][STATUS].split("\n")[0] if other.outputs() else None
+        other.cancel()
+        while not other.done():
+            time.sleep(0.1)
+    return row
+
+
+def pace(args: argparse.Namespace) -> None:
+    """A lone visitor's decode rate beside a second visitor's long prefill, over its rate alone."""
+    from gradio_client import Client
+
+    from core.batching import PACE_BESIDE_PREFILL
+
+    run = {"document": (DOCS / DOCUMENT).read_text()[:1500], "instruction": QUESTION, "preset_name": EMBEDDED,
+           "max_new_tokens": args.new_tokens, "greedy": True}
+    work = Path(tempfile.mkdtemp(prefix="pace-"))
+    with serving(EMBEDDED_ON_CPU, work / "app.log") as (client, _):
+        client.predict(**{**run, "max_new_tokens": 4}, api_name="/triforce")  # the model loaded and warm
+        second = Client(client.src, verbose=False)  # another visitor
+        rows: dict[str, list[dict]] = {"alone": [], "beside": []}
+        for trial in range(args.trials):  # interleaved: the machine's other work weighs on both alike
+            rows["alone"].append(paced(client, run))
+            rows["beside"].append(paced(client, run, second, trial))
+            print(trial, {name: runs[-1] for name, runs in rows.items()}, flush=True)
+    alone, beside = (statistics.median(r["tokens_per_s"] for r in rows[name]) for name in ("alone", "beside"))
+    summary = {"alone_tokens_per_s": alone, "beside_prefill_tokens_per_s": beside, "ratio": beside / alone,
+               "designed_ratio": PACE_BESIDE_PREFILL, "target_ratio": TARGET_PACE,
+               "told_why_in_every_run_beside": all(r["told_why"] for r in rows["beside"])}
+    print(summary)
+    print(save("served-pace-cpu", {**environment(), "load_average": os.getloadavg(), "new_tokens": args.new_tokens,
+                                   "document_chars": len(run["document"]), "second_document": NEEDLE, **rows,
+                                   "summary": summary}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = parser.add_subparsers(dest="part", required=True)
@@ -512,8 +577,12 @@ def main() -> None:
     n.add_argument("--doc-tokens", type=int, default=7900)
     n.add_argument("--new-tokens", type=int, default=128)
     n.add_argument("--clicks", type=int, default=2, help="greedy and sampled clicks each, after the warm-up")
+    p = parts.add_parser("pace", help="a lone visitor's decode rate beside a second visitor's long prefill")
+    p.add_argument("--trials", type=int, default=3, help="runs alone and beside, interleaved (medians compared)")
+    p.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
-    {"gpu": gpu, "soak": soak, "stop": stop, "slow": slow, "scale": scale, "planner": planner}[args.part](args)
+    {"gpu": gpu, "soak": soak, "stop": stop, "slow": slow, "scale": scale, "planner": planner,
+     "pace": pace}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from core.decode.batch import Batch, Slot
 from core.decode.drafters import DraftContext, drafter_names, make_drafters
 from core.decode.graphs import Graphs
 from core.decode.levels import Level, Stopped
-from core.events import Event, Finished, PrefillProgress
+from core.events import Event, Finished, PrefillBeside, PrefillProgress
 from core.io.prompting import Prompt, build_prompt, ids_prompt
 from core.lifecycle import Clock, announce, begin, finish
 from core.model.transformer import Transformer
@@ -29,6 +29,7 @@ from core.plan.policy import BatchAuto
 # engines do). Its pieces of work are the single run's (a layer of a chunk on a CPU, a chunk on a GPU: its keys and
 # values are the same), so a piece longer than one round's share is paid for by the rounds after it, which it sits out.
 PREFILL_SHARE = 0.4
+PACE_BESIDE_PREFILL = 1 / (1 + PREFILL_SHARE)  # what a decoding request keeps of its pace while a prefill runs beside
 
 
 class Host(Protocol):
@@ -86,10 +87,14 @@ class Admitted:
 
 @dataclass
 class Running:
-    """A request in the batch, with what its Finished figures need."""
+    """A request in the batch, with what its Finished figures need: the other requests prefilled between its
+    rounds, the seconds that took, and the prompt length its events last said was prefilling beside it (0: none)."""
 
     admitted: Admitted
     slot: Slot
+    prefills: set[str] = field(default_factory=set)
+    prefill_s: float = 0.0
+    told: int = 0
 
 
 def _device_bytes(plan: Plan) -> tuple[int, int]:
@@ -178,6 +183,7 @@ class BatchRun:
         if self.filling is not None:
             self._fill(out)
         if self.running:
+            self._tell_prefill()
             t0 = time.perf_counter()
             done = self.batch.round()
             self.round_s = time.perf_counter() - t0
@@ -236,10 +242,22 @@ class BatchRun:
             if a.done >= total or not self.running or time.perf_counter() - t0 >= self.credit:
                 break
         if self.running:
-            self.credit -= time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.credit -= took
+            for run in self.running.values():  # their device read its prompt meanwhile: their decoding waited
+                run.prefills.add(a.request.key)
+                run.prefill_s += took
         if a.done >= total:
             self.filling = None
             self._join(a)
+
+    def _tell_prefill(self) -> None:
+        """Each decoding request's events say when another's prefill begins or ends beside it (PrefillBeside)."""
+        filling = len(self.filling.prompt.ids) if self.filling is not None else 0
+        for run in self.running.values():
+            if run.told != filling:
+                run.told = filling
+                run.slot.events.append(PrefillBeside(filling, str(self.model.device)))
 
     def _join(self, a: Admitted) -> None:
         """A prefilled request's slot: its level 2 (methods that draft) on its own retrieval cache, a triforce
@@ -264,5 +282,5 @@ class BatchRun:
         run, r, d = self.running[slot.key], slot.request, slot.drafter
         footprint = r.footprint(d, d.name if d else "none" if r.drafts else "")
         stats = finish(footprint, r.cfg, r.out, run.admitted.prompt, r.target, run.admitted.clock, self.engine.graphs,
-                       shared_with=slot.beside)
+                       shared_with=slot.beside, prefills_beside=len(run.prefills), prefill_beside_s=run.prefill_s)
         slot.events.append(Finished(r.out.text, r.out.ids, r.prompt, stats))

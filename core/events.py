@@ -125,6 +125,15 @@ class PlanChosen(Event):
 
 
 @dataclass
+class PrefillBeside(Event):
+    """A batched request's device also prefills another request's prompt of `prompt_tokens` tokens between its rounds
+    (0: that prefill ended), on `device` (a torch device's name): its rounds come slower meanwhile."""
+
+    prompt_tokens: int
+    device: str
+
+
+@dataclass
 class StepTiming(Event):
     """Wall time of one level-3 round, split by level (milliseconds), the tokens it emitted and the level-2 forwards
     its draft took (made ahead or not)."""
@@ -226,6 +235,8 @@ class Stats(Acceptance):
     ahead_made: int = 0  # next-round drafts level 2 made while level 3 verified
     ahead_kept: int = 0  # ... and those a round used
     shared_with: int = 0  # the most other requests decoded beside it in one batched round (0: it ran alone)
+    prefills_beside: int = 0  # other requests prefilled between its batched rounds (their prompts read on its device)
+    prefill_beside_s: float = 0.0  # ... and the seconds of its decoding their prefill took
 
     @classmethod
     def of(cls, footprint: Footprint, **figures) -> "Stats":

@@ -64,10 +64,11 @@ class Clock:
 
 
 def finish(footprint: Footprint, cfg: GenerationConfig, out: Output, prompt: Prompt, target: Level, clock: Clock,
-           graphs: Graphs | None, offloaded: bool = False, prefill_reused: bool = False, shared_with: int = 0
-           ) -> Stats:
+           graphs: Graphs | None, offloaded: bool = False, prefill_reused: bool = False, shared_with: int = 0,
+           prefills_beside: int = 0, prefill_beside_s: float = 0.0) -> Stats:
     """A finished request's figures: its decoding time without the graphs captured meanwhile (a first use of a
-    shape is warm-up, not decoding), its rate, first-token latency, target forwards and bytes."""
+    shape is warm-up, not decoding), its rate, first-token latency, target forwards and bytes, and (batched) what
+    it shared its device with."""
     model: Transformer = target.model
     warmup_s = (graphs.capture_s if graphs is not None else 0.0) - clock.captured
     decode_s = time.perf_counter() - clock.decoding - warmup_s
@@ -80,4 +81,5 @@ def finish(footprint: Footprint, cfg: GenerationConfig, out: Output, prompt: Pro
         tokens_per_target_forward=n / forwards if forwards else 0.0, cache_bytes=target.cache.nbytes,
         target_weight_bytes=model.step_weight_bytes(), stop_reason=out.stop_reason, device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."), settings=cfg.to_dict(), offloaded=offloaded,
-        host_link_bytes=target.cache.moved - clock.moved, shared_with=shared_with)
+        host_link_bytes=target.cache.moved - clock.moved, shared_with=shared_with, prefills_beside=prefills_beside,
+        prefill_beside_s=prefill_beside_s)

@@ -335,10 +335,31 @@ def test_a_rejected_line_break_is_a_visible_mark_and_a_single_round_or_selection
         assert bar.dtick >= 1 and float(bar.dtick).is_integer() and bar.tick0 == 0 and bar.tickformat == "d"
 
 
-def test_upload_leaves_the_sample_and_its_questions_for_generic_ones() -> None:
-    sample, examples, instruction, _ = callbacks.leave_sample()
-    assert sample is None and instruction == callbacks.GENERIC_INSTRUCTIONS[0]
+def test_plots_are_drawn_again_only_once_what_they_show_has_changed() -> None:
+    state, redraw = RunState(), callbacks.Redraw()
+    apply_event(state, prompt_event(4))
+    assert redraw.due(0.0, False, state)
+    apply_event(state, PrefillProgress(done=2, total=4, seconds=1.0, cache_bytes=0))
+    assert not redraw.due(10.0, False, state) and not redraw.due(20.0, True, state)  # a prefill's progress, a wait
+    apply_event(state, tokens_event(["A"], ["level3"], 0))
+    assert redraw.due(10.0, False, state)
+    apply_event(state, tokens_event(["B"], ["level3"], 1))
+    assert not redraw.due(10.1, False, state)  # within PLOT_INTERVAL_S of the last drawing
+    assert redraw.due(10.0 + callbacks.PLOT_INTERVAL_S, False, state)
+
+
+def test_an_upload_is_named_in_the_sample_menu_and_its_questions_are_generic_ones() -> None:
+    titles = [sample.title for sample in callbacks.load_samples()]
+    menu, examples, instruction, _ = callbacks.leave_sample("/tmp/gradio/ab12/notes.pdf")
+    assert menu.value == "📄 notes.pdf" and [value for _, value in menu.choices] == [*titles, "📄 notes.pdf"]
+    assert instruction == callbacks.GENERIC_INSTRUCTIONS[0]
     assert examples.raw_samples == [[i] for i in callbacks.GENERIC_INSTRUCTIONS]
+    long = callbacks.leave_sample("/tmp/gradio/ab12/" + "a" * 200 + ".txt")[0].value  # no wider than a title
+    assert long.startswith("📄 aaa") and long.endswith("…") and len(long) <= max(map(len, titles))
+    # the upload's entry chosen again changes nothing; a sample chosen then loads and takes the entry's place
+    assert all(update == callbacks.gr.skip() for update in callbacks.choose_sample("📄 notes.pdf"))
+    text, _, _, note, menu = callbacks.choose_sample(titles[1])
+    assert text and note == "" and menu.value == titles[1] and [value for _, value in menu.choices] == titles
 
 
 def test_an_upload_is_named_and_the_embedded_model_said_to_be_often_wrong_on_it_only_where_it_answers() -> None:
@@ -891,6 +912,14 @@ def test_a_python_source_file_uploads_as_its_text(server, tmp_path: Path) -> Non
     source = (ROOT / "core" / "decode" / "sampling.py").read_text(encoding="utf-8")
     (tmp_path / "sampling.py").write_text(source, encoding="utf-8")
     assert client.predict(handle_file(str(tmp_path / "sampling.py")), api_name="/upload_document") == source
+
+
+def test_a_sample_picked_in_the_served_app_is_the_menus_choice_with_no_uploads_entry_left(server) -> None:
+    _, client = server
+    titles = [sample.title for sample in load_samples()]
+    text, _, _, note, menu = client.predict(titles[1], api_name="/choose_sample")
+    assert text == load_samples()[1].read() and note == ""
+    assert menu["value"] == titles[1] and [value for _, value in menu["choices"]] == titles
 
 
 def test_overlong_document_is_truncated_or_refused(server) -> None:

@@ -3,6 +3,7 @@ in distribution), requests join and leave between rounds, a stop ends one reques
 and the batch planner never plans below autoregressive decoding, keeps each request's bounds and learns into the
 cost book."""
 
+import dataclasses
 import random
 import threading
 from collections import Counter
@@ -16,7 +17,7 @@ from core.batching import Request
 from core.config import GenerationConfig, TriForceError
 from core.decode.sampling import residual_distribution, speculative_verify
 from core.engine import Engine
-from core.events import Finished, PrefillProgress, Tokens
+from core.events import Finished, PrefillBeside, PrefillProgress, Tokens
 from core.decode.round import Ask, BatchRecord
 from core.plan.estimate import CostBook
 from core.plan.policy import MAX_SWITCHES, BatchAuto
@@ -178,6 +179,33 @@ def test_a_newcomers_prefill_beside_decoding_takes_only_what_the_rounds_allow(en
     else:
         assert beside and len(beside) == 1
     assert answers["newcomer"] == alone(engine, prompts[2], method="ar", greedy=True, prefill_chunk=64).token_ids
+
+
+def test_a_request_decoding_beside_a_newcomers_prefill_is_told_while_it_lasts_and_its_stats_count_it(
+        engine, prompts, monkeypatch):
+    """A decoding request's events say when a newcomer's prefill begins beside it (with the prompt's length) and
+    when it ends; its Finished stats count that prefill and the seconds it took of its decoding, so they never say
+    it ran alone. The newcomer, which nothing prefilled beside, hears nothing of the kind."""
+    monkeypatch.setattr(core.batching.BatchRun, "round_s", property(lambda self: 1e-3, lambda self, v: None),
+                        raising=False)  # rounds allowing a piece of prefill every few rounds
+    cfg = GenerationConfig(**{**BASE, "method": "ar", "greedy": True, "prefill_chunk": 64}).validate()
+    run = core.batching.BatchRun(engine, 2)
+    run.submit(Request("first", ids=prompts[0], config=dataclasses.replace(cfg, max_new_tokens=200)))  # outlasts it
+    run.submit(Request("newcomer", ids=prompts[3], config=cfg))
+    told: dict[str, list[int]] = {"first": [], "newcomer": []}
+    stats = {}
+    with torch.no_grad():
+        while run.busy:
+            for t in run.step():
+                if isinstance(t.event, PrefillBeside):
+                    told[t.key].append(t.event.prompt_tokens)
+                    assert t.event.device == "cpu"
+                elif isinstance(t.event, Finished):
+                    stats[t.key] = t.event.stats
+    assert told == {"first": [len(prompts[3]), 0], "newcomer": []}
+    assert stats["first"].prefills_beside == 1 and stats["first"].prefill_beside_s > 0
+    assert stats["first"].shared_with == 1  # and it decoded beside the newcomer once it joined
+    assert stats["newcomer"].prefills_beside == 0 and stats["newcomer"].prefill_beside_s == 0
 
 
 def test_a_stopped_request_leaves_and_the_others_finish(engine, prompts):

@@ -3,6 +3,7 @@ last run used kept when it ends (memory after many runs of varied sizes stays at
 than the answer still wants."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from core.config import GenerationConfig
 from core.engine import Engine
 from core.events import Finished, PlanChosen, PrefillProgress, Tokens
 from core.cache.kvcache import KVCache
+from core.decode.levels import LayerByLayer
 from core.config import DECODE_TOKENS
 from tests.tiny import DigitTokenizer, tiny_config, tiny_pair
 
@@ -115,6 +117,26 @@ def test_a_set_stop_ends_a_prefill_forward_between_two_layers():
     again = [e for e in stopped.generate_ids(prompt(300), cfg) if isinstance(e, Finished)][0]
     fresh = [e for e in engine().generate_ids(prompt(300), cfg) if isinstance(e, Finished)][0]
     assert not again.stats.prefill_reused and again.token_ids == fresh.token_ids
+
+
+def test_a_prefill_forward_on_its_helper_thread_waits_at_each_layer_until_asked_for_the_next():
+    """A batch paces a newcomer's prefill by pausing its iteration (core.batching): the forward must pause with it,
+    not go on computing beside the other requests' rounds."""
+    computed = []
+
+    def forward(between) -> str:
+        for layer in range(3):
+            between()
+            computed.append(layer)
+        return "done"
+
+    steps = LayerByLayer(forward, lambda: None)
+    layers = iter(steps)
+    assert next(layers) == 0
+    time.sleep(0.2)  # the consumer pauses: a forward running on would compute every layer meanwhile
+    assert computed == []
+    assert next(layers) == 1 and computed == [0]
+    assert list(layers) == [2] and computed == [0, 1, 2] and steps.result == "done"
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])

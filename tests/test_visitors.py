@@ -22,7 +22,7 @@ from core import GenerationConfig
 from core.events import Finished
 from core.serving import BatchServer
 from tests.served import served
-from tests.test_app import run_stats
+from tests.test_app import finished_event, run_stats
 from tests.test_fair import job, jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +72,29 @@ def test_compare_says_which_run_shared_the_device_and_which_ran_alone() -> None:
             "clean single-request figure. · Method auto (the planner picks the levels) ran beside 1 other request — "
             "its ratio is not a clean single-request figure.") in text
     assert [summary["runs"][method]["shared_with"] for method in runs] == [0, 2, 1]
+
+
+def test_a_run_that_decoded_beside_another_runs_prefill_says_why_it_slowed_and_never_that_it_ran_alone() -> None:
+    from app.state import apply_event
+    from app.views import prefill_words, stats_for, status_markdown
+    from core.batching import PACE_BESIDE_PREFILL
+    from core.cli.main import _stats_line
+    from core.events import PrefillBeside, Tokens
+
+    state = RunState(method="ar", batched=True)
+    apply_event(state, Tokens([1], ["A"], ["target"], 0))
+    apply_event(state, PrefillBeside(6087, "cpu"))  # another visitor's long document, read between its rounds
+    assert status_markdown(state).startswith("▶️ Decoding: 1 token · slower while the CPU also reads another run's "
+                                             f"6,087-token prompt (about {PACE_BESIDE_PREFILL:.0%} of its pace")
+    apply_event(state, PrefillBeside(0, "cpu"))  # it joined the batch
+    assert status_markdown(state) == "▶️ Decoding: 1 token"
+    apply_event(state, finished_event([1], method="ar", device="cpu", prefills_beside=1, prefill_beside_s=6.1))
+    words = "the CPU also read 1 other run's prompt, 6.1 s of its decoding"
+    assert f"| decoded beside other runs (most at once) | none; {words} |" in stats_for(state)[0]
+    assert callbacks.sharing_line(state) == (f"Autoregressive {words} — its ratio is not a clean single-request "
+                                             "figure")
+    assert "1 other request prefilled beside it (6.1 s of its decoding)" in _stats_line(state.final_stats)
+    assert prefill_words(3, 2.0, "cuda:0") == "the GPU also read 3 other runs' prompts, 2.0 s of its decoding"
 
 
 def test_raw_stats_files_are_kept_for_every_run_that_can_finish_together_and_no_other_file_is_touched(

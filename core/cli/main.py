@@ -149,6 +149,9 @@ def _stats_line(s: Stats) -> str:
         line += f", acceptance L1 {s.level1_acceptance:.2f} L2 {s.level2_acceptance:.2f}"
     if s.ahead_made:
         line += f", {s.ahead_made} level-2 drafts made ahead ({s.ahead_kept} used)"
+    if s.prefills_beside:  # a batch's: its rounds waited for other requests' prefill
+        line += (f"; {s.prefills_beside} other request{'s' if s.prefills_beside > 1 else ''} prefilled beside it "
+                 f"({s.prefill_beside_s:.1f} s of its decoding)")
     if s.plans:
         line += f"; plans: {' then '.join(s.plans)}"
     return line

@@ -182,8 +182,11 @@ class Level:
 class LayerByLayer:
     """Iterates over the layers of one forward as they begin, the forward running on a helper thread (torch lets go
     of the GIL while it computes): a generator cannot yield from inside the forward's call back between two layers.
-    `result` holds what the forward returned once the iteration ends; its exception (Stopped included) is raised by
-    the iteration. Leaving the iteration early stops the forward at its next layer and waits for it."""
+    The forward waits at each layer's start until its consumer asks for the next one, so a consumer that pauses
+    pauses the forward (a batch's prefill paced beside decoding requests, core.batching, would otherwise go on
+    computing beside their rounds). `result` holds what the forward returned once the iteration ends; its exception
+    (Stopped included) is raised by the iteration. Leaving the iteration early stops the forward at its next layer
+    and waits for it."""
 
     def __init__(self, forward: Callable[..., Any], between: Callable[[], None]):
         self.forward, self.between = forward, between
@@ -192,6 +195,7 @@ class LayerByLayer:
     def __iter__(self) -> Iterator[int]:
         begun: queue.SimpleQueue = queue.SimpleQueue()
         left = threading.Event()  # the consumer stopped iterating: the forward stops at its next layer
+        asked = threading.Semaphore(0)  # the consumer asks for the next layer
         layer = itertools.count()
 
         def between() -> None:
@@ -199,6 +203,9 @@ class LayerByLayer:
             if left.is_set():
                 raise Stopped
             begun.put(next(layer))
+            asked.acquire()
+            if left.is_set():
+                raise Stopped
 
         def run() -> None:
             try:
@@ -213,6 +220,7 @@ class LayerByLayer:
                 item = begun.get()
                 if isinstance(item, int):
                     yield item
+                    asked.release()
                 elif isinstance(item, BaseException):
                     raise item
                 else:
@@ -220,4 +228,5 @@ class LayerByLayer:
                     return
         finally:
             left.set()
+            asked.release()  # a forward waiting at a layer's start goes on, to stop there
             worker.join()
