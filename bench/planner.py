@@ -29,7 +29,7 @@ import re
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Iterator
 
 import torch
 
@@ -40,6 +40,7 @@ from bench.offload import document, run
 from bench.real import INSTRUCTIONS, row, text_of
 from core import Engine, GenerationConfig
 from core.events import PlanChosen, StepTiming, Verdict
+from core.plan import CostBook
 from core.io.prompting import build_prompt
 
 SAMPLED = {"temperature": 0.6, "top_p": 0.9}
@@ -137,44 +138,72 @@ def worst(cases: list[dict]) -> dict:
     return out
 
 
-def regime_cases(engine: Engine, scn: Scenario, docs: list[str], lengths: list[int], progress: Callable[[Scenario, dict], None]
-                 ) -> list[dict]:
-    """Every case of one regime: documents (a batch: one case, its requests each the next document), samplings,
-    answer lengths and the two questions, each with every plan's run."""
+def prefix(run: dict, tokens: int) -> dict:
+    """A single run's figures over its first rounds up to `tokens` tokens: what a run of a fixed plan or AR asked for
+    that many gives (its rounds do not depend on the answer's length; the round that reaches it is counted whole),
+    the time outside the rounds shared by rounds; acceptances stay the whole run's."""
+    if run["new_tokens"] <= tokens:
+        return run
+    done, k = 0, 0
+    while done < tokens:
+        done, k = done + run["rounds"][k][3], k + 1
+    total_ms = run["new_tokens"] / run["tokens_per_s"] * 1e3
+    in_rounds = [l1 + l2 + l3 for l1, l2, l3, *_ in run["rounds"]]
+    ms = sum(in_rounds[:k]) + (total_ms - sum(in_rounds)) * k / len(in_rounds)
+    return {**run, "tokens_per_s": done * 1e3 / ms, "ms_per_token": ms / done, "new_tokens": done, "prefix_of":
+            run["new_tokens"], **{key: run[key][:k] for key in ("rounds", "verified", "level1_checked")}}
+
+
+def regime_cases(engine: Engine, scn: Scenario, docs: list[str], lengths: list[int]) -> Iterator[dict]:
+    """Every case of one regime as it is measured: documents (a batch: one case, its requests each the next
+    document), samplings, the two questions and the answer lengths, each with every plan's run. One request: AR and
+    the fixed plans run once at the longest length (a shorter answer is their prefix), after AR method auto at each
+    length from the cost book the case starts from (the first answer: as the warm-up left it; after another: as the
+    first question's auto run of that length left it). A batch runs every plan at every length."""
     texts = {kind: text_of(kind, engine, scn.tokens) for kind in docs}
-    warm = copy.deepcopy(engine.costs)  # the book as the engine's warm-up left it: every first answer starts here
-    after: dict[tuple, object] = {}  # (sampling, length) -> the book as the first question's auto run left it
+    warm = copy.deepcopy(engine.costs)
+    after: dict[tuple, CostBook] = {}
     grid = plans(scn, engine.draft is not None)
     groups = [[kind] for kind in docs] if scn.requests == 1 else [[docs[i % len(docs)] for i in range(scn.requests)]]
-    cases = []
+    longest = max(lengths)
     for kinds in groups:
         for answer, questions in zip(ANSWERS, (INSTRUCTIONS, AGAIN)):
             for sampling, settings in SAMPLINGS.items():
+                t0 = time.perf_counter()
+
+                def measure(name: str, length: int) -> tuple[dict, list[int]]:
+                    cfg = engine.settings(**{**grid[name], **settings, "max_new_tokens": length,
+                                             "offload": "on" if scn.offload else "off"}).validate()
+                    if scn.requests == 1:
+                        return trace(engine, texts[kinds[0]], questions[kinds[0]], cfg)
+                    ids = [build_prompt(engine.tokenizer, texts[k], questions[k], engine.context_length, length,
+                                        "truncate").ids for k in kinds]
+                    return batched(engine, ids, cfg)
+
+                if answer == "first":
+                    engine.costs = copy.deepcopy(warm)
+                once = {"ar": measure("ar", longest)} if scn.requests == 1 else {}  # the Compare click's AR
+                before = copy.deepcopy(engine.costs)
+                autos = {}
                 for length in lengths:
                     key = (tuple(kinds), sampling, length)
-                    engine.costs = copy.deepcopy(warm if answer == "first" else after[key])
-                    runs, identical, reference = {}, {}, None
-                    t0 = time.perf_counter()
-                    for name, plan in grid.items():
-                        cfg = engine.settings(**{**plan, **settings, "max_new_tokens": length,
-                                                 "offload": "on" if scn.offload else "off"}).validate()
-                        if scn.requests == 1:
-                            runs[name], tokens = trace(engine, texts[kinds[0]], questions[kinds[0]], cfg)
-                        else:
-                            ids = [build_prompt(engine.tokenizer, texts[k], questions[k], engine.context_length,
-                                                length, "truncate").ids for k in kinds]
-                            runs[name], tokens = batched(engine, ids, cfg)
-                        reference = reference if reference is not None else tokens
-                        if sampling == "greedy" and name != "ar":
-                            identical[name] = tokens == reference
-                        if name == "auto" and answer == "first":
-                            after[key] = copy.deepcopy(engine.costs)
-                    case = {"doc": "+".join(kinds), "sampling": sampling, "new_tokens": length, "answer": answer,
-                            **figures(runs), "greedy_identical": identical, "wall_s": time.perf_counter() - t0,
-                            "runs": runs}
-                    cases.append(case)
-                    progress(scn, case)
-    return cases
+                    engine.costs = copy.deepcopy(before if answer == "first" else after[key])
+                    autos[length] = measure("auto", length)
+                    if answer == "first":
+                        after[key] = copy.deepcopy(engine.costs)
+                if scn.requests == 1:
+                    once |= {name: measure(name, longest) for name in grid if name not in once and name != "auto"}
+                for length in lengths:
+                    measured = {name: measure(name, length) for name in grid if name != "auto"} if not once else \
+                        {name: (prefix(run, length), tokens[:length]) for name, (run, tokens) in once.items()}
+                    runs = {name: run for name, (run, _) in {**measured, "auto": autos[length]}.items()}
+                    reference = measured["ar"][1]
+                    identical = {name: tokens[:len(reference)] == reference for name, (_, tokens) in
+                                 {**measured, "auto": autos[length]}.items() if name != "ar"} \
+                        if sampling == "greedy" else {}
+                    yield {"doc": "+".join(kinds), "sampling": sampling, "new_tokens": length, "answer": answer,
+                           **figures(runs), "greedy_identical": identical, "wall_s": time.perf_counter() - t0,
+                           "runs": runs}
 
 
 def real(args: argparse.Namespace) -> None:
@@ -207,7 +236,7 @@ def real(args: argparse.Namespace) -> None:
         print(f"{scn.name} {case['doc']} {case['sampling']} {case['new_tokens']} tokens, {case['answer']}: AR "
               f"{case['ar_tokens_per_s']:.1f} tokens/s, auto {case['auto_over_ar']:.2f}x AR, "
               f"{case['auto_over_best_fixed']:.2f}x best fixed ({case['best_fixed']}, "
-              f"{case['best_fixed_over_ar']:.2f}x); auto ran {case['auto_plans']}; {case['wall_s']:.0f} s",
+              f"{case['best_fixed_over_ar']:.2f}x); auto ran {case['auto_plans']}; {case['wall_s']:.0f} s so far",
               flush=True)
 
     for regime in args.regimes:
@@ -215,7 +244,8 @@ def real(args: argparse.Namespace) -> None:
         engine, loaded_s = engine_for(scn)
         entry = data["regimes"][regime] = {"scenario": vars(scn), "model": engine.info, "load_and_warm_up_s": loaded_s,
                                            "cases": []}
-        for case in regime_cases(engine, scn, args.docs, args.new_tokens, progress):
+        for case in regime_cases(engine, scn, args.docs, args.new_tokens):
+            progress(scn, case)
             entry["cases"].append(case)
             data["summary"] = {"planner_real": {r: worst(v["cases"]) for r, v in data["regimes"].items()
                                                 if v["cases"]}}

@@ -3,6 +3,8 @@ lines, Beta acceptances, the cost book carried between runs), its policy (measur
 gain), checked as properties, on the regimes bench.simulate replays, and inside the engine (exact while it switches:
 greedy token-identical to autoregressive, the sampled distribution the target's)."""
 
+import argparse
+import json
 import random
 import time
 from dataclasses import replace
@@ -11,6 +13,8 @@ import pytest
 import torch
 
 import core.engine
+from bench.common import RESULTS
+from bench.planner import Scenario, scenario
 from bench.simulate import batch_profiles, profiles, simulate, simulate_batch
 from core.config import GenerationConfig
 from core.decode.drafters import NgramDrafter
@@ -505,6 +509,40 @@ def test_on_every_recorded_batch_auto_keeps_up_with_autoregressive_and_the_best_
     r = simulate_batch(profile, seeds=10, tokens=128)
     for s in (r, r["second_batch"]):
         assert s["auto_over_ar"] >= 0.97 and s["auto_over_best_fixed"] >= 0.9, r
+
+
+# On the real-weight traces bench.planner recorded (bench/results/planner-real-<device>.json)
+
+REGRET_COMMAND = ("python -m bench.planner --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b "
+                  "--regimes onchip-30k offload-30k --record")
+
+
+def recorded_cases(on_gpu: bool) -> list:
+    """Every recorded case of the CPU's trace files or the GPUs', each its own parameter; none recorded: one
+    parameter that skips and says how to record them."""
+    files = [f for f in sorted(RESULTS.glob("planner-real-*.json")) if f.stem.endswith("-cpu") != on_gpu]
+    cases = [pytest.param(c, id=f"{f.stem.removeprefix('planner-real-')} {regime} {c['doc']} {c['sampling']} "
+                                f"{c['new_tokens']} {c['answer']}")
+             for f in files for regime, entry in json.loads(f.read_text())["regimes"].items() for c in entry["cases"]]
+    where = "a GPU" if on_gpu else "a CPU"
+    return cases or [pytest.param(None, marks=pytest.mark.skip(
+        reason=f"no real-weight trace recorded on {where} yet: {REGRET_COMMAND}"), id=f"none on {where}")]
+
+
+@pytest.mark.parametrize("case", recorded_cases(on_gpu=True) + recorded_cases(on_gpu=False))
+def test_on_every_recorded_real_weight_case_auto_keeps_up_with_autoregressive_and_the_best_fixed_plan(case):
+    """Measured on real weights, each document, sampling and answer length, on a first answer and after another:
+    method auto within 3 % of autoregressive decoding and within 10 % of the fastest fixed plan in hindsight."""
+    assert case["auto_over_ar"] >= 0.97, case["auto_plans"]
+    assert case["auto_over_best_fixed"] >= 0.9, (case["best_fixed"], case["auto_plans"])
+
+
+def test_a_regime_s_name_says_its_prompt_length_its_requests_and_where_its_cache_lives():
+    assert scenario("cpu-onchip-4k") == Scenario("cpu-onchip-4k", 4000, 1, offload=False)
+    assert scenario("offload-124k") == Scenario("offload-124k", 124000, 1, offload=True)
+    assert scenario("batch-8x30k") == Scenario("batch-8x30k", 30000, 8, offload=False)
+    with pytest.raises(argparse.ArgumentTypeError):
+        scenario("onchip")
 
 
 # Inside the engine
