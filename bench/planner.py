@@ -10,9 +10,10 @@ each document (code, prose, a needle), greedy and sampled (T 0.6, top-p 0.9), ea
 (the first answer, from the cost book as the engine's warm-up left it; after another, from the book as the first
 question's auto run left it): AR, method auto, then levels 2 → 3 at γ2 2/4/8/16 (also drafting ahead where the cache
 streams) and levels 1 → 2 → 3 with prompt lookup and with the draft model (where given), all on the one prefill of
-the prompt. A batch's requests each take the next document. Writes bench/results/planner-real-<device>.json (with
---record; regimes run earlier the same day kept) with summary.planner_real.<regime>.{auto_over_ar,
-auto_over_best_fixed}: the worst case of the regime (each case's figures under regimes.<regime>.cases).
+the prompt (a shorter answer of AR and the fixed plans: the first rounds of their longest). A batch's requests each
+take the next document. Writes bench/results/planner-real-<device>.json (with --record; regimes, and a regime's other
+documents, run earlier the same day kept) with summary.planner_real.<regime>.{auto_over_ar, auto_over_best_fixed}: the
+worst case of the regime (each case's figures under regimes.<regime>.cases).
 
 python -m bench.planner --tokenizer TOKENIZER [--context 122880] [--new-tokens 256]
 The random part: random weights at the Llama-2-7B shape (level 1: a random llama-68m shape) over a ~120K-token prompt
@@ -242,8 +243,10 @@ def real(args: argparse.Namespace) -> None:
     for regime in args.regimes:
         scn = scenario(regime)
         engine, loaded_s = engine_for(scn)
+        earlier = [c for c in data["regimes"].get(regime, {}).get("cases", [])  # other documents' cases, today
+                   if scn.requests == 1 and c["doc"] not in args.docs]
         entry = data["regimes"][regime] = {"scenario": vars(scn), "model": engine.info, "load_and_warm_up_s": loaded_s,
-                                           "cases": []}
+                                           "cases": earlier}
         for case in regime_cases(engine, scn, args.docs, args.new_tokens):
             progress(scn, case)
             entry["cases"].append(case)

@@ -163,9 +163,9 @@ PLANNER_REAL = About("Method auto's regret on real weights ({device})", "bench.p
                      "document, sampling and answer length, on a first answer (from the cost book as the engine's "
                      "warm-up left it) and after another question on the same document: method auto and "
                      "autoregressive decoding beside a grid of fixed plans (levels 2 → 3 at γ2 2, 4, 8 and 16, "
-                     "drafting ahead too where the cache streams; levels 1 → 2 → 3 with prompt lookup and the draft "
-                     "model where one was given), each run's rounds in the file. Best fixed: the fastest fixed plan "
-                     "of the case in hindsight.")
+                     "drafting ahead too where the cache streams; levels 1 → 2 → 3 with prompt lookup and the "
+                     "draft model where one was given), each run's rounds in the file. Best fixed: the fastest fixed "
+                     "plan of the case in hindsight.")
 
 
 def about(stem: str) -> About:
