@@ -42,6 +42,7 @@ from bench.real import INSTRUCTIONS, row, text_of
 from core import Engine, GenerationConfig
 from core.events import PlanChosen, StepTiming, Verdict
 from core.plan import CostBook
+from core.io.presets import by_id
 from core.io.prompting import build_prompt
 
 SAMPLED = {"temperature": 0.6, "top_p": 0.9}
@@ -222,10 +223,10 @@ def real(args: argparse.Namespace) -> None:
     def engine_for(scn: Scenario) -> tuple[Engine, float]:
         """The target's engine, or the long target's where the regime outgrows its context, loaded and warmed up
         once, and the seconds that took."""
-        for target in (args.target, args.long_target):
+        for target, rope in ((args.target, None), (args.long_target, dict(by_id(LONG_TARGET).rope_scaling))):
             if target not in engines:
                 t0 = time.perf_counter()
-                engine = Engine.load(target, draft)
+                engine = Engine.load(target, draft, rope_scaling=rope)
                 engine.target.eos_ids = set()  # a benchmark: every run generates its new tokens
                 engine.warm_up()  # kernels compiled, the cost book filled, as in the app before a first request
                 engines[target] = engine, time.perf_counter() - t0
@@ -298,7 +299,8 @@ def main() -> None:
     which.add_argument("--target", help="the real target: a preset id (qwen2.5-coder-1.5b, smollm2-135m) or .gguf")
     which.add_argument("--tokenizer", help="the random part's tokenizer: a preset id, directory or hub id")
     p.add_argument("--draft", default="none", help="level 1's draft model: a preset id, .gguf or none")
-    p.add_argument("--long-target", default=LONG_TARGET, help="the target of regimes beyond --target's context")
+    p.add_argument("--long-target", default=LONG_TARGET, help="the target of regimes beyond --target's context: a "
+                   "preset id or .gguf, loaded with the YaRN ×4 preset's RoPE scaling")
     p.add_argument("--regimes", nargs="+", default=["onchip-30k", "offload-30k"], type=str)
     p.add_argument("--docs", nargs="+", default=list(INSTRUCTIONS), choices=list(INSTRUCTIONS))
     p.add_argument("--new-tokens", type=int, nargs="+", default=None, help="answer lengths (default 64 256; the "
