@@ -108,7 +108,7 @@ def trace(engine: Engine, doc: str, question: str, cfg: GenerationConfig) -> tup
             "level1_checked": [level1.get(t.round, [0, 0]) for t in timings],
             "level1_proposed": fin.stats.level1_proposed, "level1_steps": fin.stats.level1_steps,
             "gamma1": fin.stats.settings.get("gamma1"), "gamma2": fin.stats.settings.get("gamma2"),
-            "greedy": cfg.is_greedy, "settings_budget": fin.stats.settings.get("budget")}
+            "greedy": cfg.is_greedy}
     return out, fin.token_ids
 
 
