@@ -51,7 +51,7 @@ def batch_run(engine: Engine, ids: list[list[int]], cfg: GenerationConfig, slots
     """One batch to the end: throughput over the span where every request decodes (from the last join to the
     last token), each request's figures."""
     requests = [Request(str(i), ids=p, config=cfg) for i, p in enumerate(ids)]
-    joined, finished, tokens, timings = set(), {}, [], []
+    joined, finished, tokens, timings, first = set(), {}, [], [], []
     t_all, captured = None, 0.0
     t0 = time.perf_counter()
     for tagged in engine.generate_many(requests, slots):
@@ -64,6 +64,8 @@ def batch_run(engine: Engine, ids: list[list[int]], cfg: GenerationConfig, slots
             tokens.append(len(e.ids))
         elif isinstance(e, StepTiming) and t_all is not None:
             timings.append(e)  # every request's copy of the batch's round (their medians are the batch's)
+            if tagged.key == "0":
+                first.append(e)
         elif isinstance(e, Finished):
             finished[tagged.key] = e
     t_end = time.perf_counter()
@@ -75,7 +77,9 @@ def batch_run(engine: Engine, ids: list[list[int]], cfg: GenerationConfig, slots
             "latency_s": [f.stats.decode_s for f in runs], "prefill_s": [f.stats.prefill_s for f in runs],
             "level2_acceptance": sum(f.stats.level2_accepted for f in runs) / verified if verified else None,
             "plans": runs[0].stats.plans, "wall_s": t_end - t0, "token_ids": [f.token_ids for f in runs],
-            "shared_with": [f.stats.shared_with for f in runs], **round_costs(timings)}
+            "shared_with": [f.stats.shared_with for f in runs], **round_costs(timings),
+            # the first request's rounds while every request decodes: level-2 and level-3 ms, its tokens, level-2 steps
+            "trace": [[round(t.level2_ms, 3), round(t.level3_ms, 3), t.tokens, t.level2_forwards] for t in first]}
 
 
 def round_costs(timings: list[StepTiming]) -> dict:

@@ -39,7 +39,8 @@ HELD = {"/tmp/Q15.gguf": "qwen2.5-coder-1.5b", "/tmp/q15.gguf": "qwen2.5-coder-1
         ".carry/smol-tok": "smollm2-135m", "/tmp/target.gguf": "qwen2.5-coder-1.5b"}
 TAKES_PRESET = {"bench.real": ("--target", "--draft"), "bench.served": ("--target", "--draft", "--tokenizer"),
                 "bench.acceptance": ("--target",),
-                "bench.offload": ("--tokenizer",), "bench.planner": ("--tokenizer",),
+                "bench.offload": ("--tokenizer",),
+                "bench.planner": ("--tokenizer", "--target", "--draft", "--long-target"),
                 "bench.auto_overhead": ("--tokenizer",), "bench.batch": ("--tokenizer", "--target")}
 # The option that names the result file, per script: --out (a path) or --name (bench.real adds "-<GPU>" itself).
 OUT_OPTION = {"bench.gpu": "--out", "bench.gpu_synthetic": "--out", "bench.gpu_real": "--out",
@@ -161,6 +162,23 @@ ABOUT = {
     "cpu-step-cost-deep_12_12_13_28_29": About("Level-1 step cost, a still deeper untrained draft", "For the draft's "
                                                "model card; the untrained draft was not kept."),
 }
+PLANNER_REAL = About("Method auto's regret on real weights ({device})", "bench.planner's cases: per regime, "
+                     "document, sampling and answer length, on a first answer (from the cost book as the engine's "
+                     "warm-up left it) and after another question on the same document: method auto and "
+                     "autoregressive decoding beside a grid of fixed plans (levels 2 → 3 at γ2 2, 4, 8 and 16, "
+                     "drafting ahead too where the cache streams; levels 1 → 2 → 3 with prompt lookup and the "
+                     "draft model where one was given), each run's rounds in the file. Best fixed: the fastest fixed "
+                     "plan of the case in hindsight.")
+
+
+def about(stem: str) -> About:
+    """What a result file is, by its name (a regret file by its device's)."""
+    if stem.startswith("planner-real-"):
+        device = stem.removeprefix("planner-real-").replace("-", " ")
+        return About(PLANNER_REAL.title.format(device="CPU" if device == "cpu" else device), PLANNER_REAL.what)
+    return ABOUT.get(stem, About(stem, ""))
+
+
 EXTRA = {"real-onchip-NVIDIA-H200": ["--name", "real-onchip"], "real-gammas-NVIDIA-H200": ["--name", "real-gammas"],
          "acceptance-ceiling": ["--name", "acceptance-ceiling"], "acceptance-h200": ["--name", "acceptance-h200"]}
 ORDER = ["real-NVIDIA-H200", "real-onchip-NVIDIA-H200", "offload-NVIDIA-H200", "planner-runs-NVIDIA-H200",
@@ -446,9 +464,9 @@ def numbers(value, prefix: str = "") -> Iterator[tuple[str, str]]:
 
 
 def section(stem: str, data: dict, results: dict[str, dict] | None = None) -> list[str]:
-    about = ABOUT.get(stem, About(stem, ""))
-    what = textwrap.wrap(about.what, 118, break_on_hyphens=False, break_long_words=False)
-    lines = [f"## {about.title}", "", *([*what, ""] if what else []),
+    this = about(stem)
+    what = textwrap.wrap(this.what, 118, break_on_hyphens=False, break_long_words=False)
+    lines = [f"## {this.title}", "", *([*what, ""] if what else []),
              f"`bench/results/{stem}.json` · {hardware(stem, data)} · {date(data)}", ""]
     cmds = commands(stem, data)
     if cmds:
@@ -547,9 +565,30 @@ def figures(stem: str, data: dict, results: dict[str, dict] | None = None) -> It
                  *(f for s in (r, r["second_batch"]) for f in (f"{s['auto_over_ar']:.2f}×",
                                                                 f"{s['auto_over_best_fixed']:.2f}")),
                  f"{r['best_fixed']} ({r['best_fixed_over_ar']:.2f}×)"] for name, r in batched.items()))
+        for file, rows in data.get("traces", {}).items():
+            yield ""
+            yield (f"Each case of `{file}.json` replayed from its own runs' rounds (a case after another answer after "
+                   "its first answer's case): auto over AR as measured and as the simulator predicts it.")
+            yield ""
+            yield from grid(["regime", "document", "sampling", "tokens", "answer", "measured auto / AR",
+                             "predicted", "error"], (
+                [r["regime"], r["doc"], r["sampling"], str(r["new_tokens"]), r["answer"], f"{r['measured']:.2f}×",
+                 f"{r['predicted']:.2f}×", f"{r['error']:+.0%}"] for r in rows))
         yield ""
         yield ("What each profile assumes where no benchmark recorded a figure is listed under `assumed` in the "
                "file.")
+    elif stem.startswith("planner-real-") and "regimes" in data:
+        yield from grid(["regime", "document", "sampling", "tokens", "answer", "AR tokens/s", "auto / AR",
+                         "auto / best fixed", "best fixed (its / AR)", "what auto ran"], (
+            [regime, c["doc"], c["sampling"], str(c["new_tokens"]), c["answer"], f"{c['ar_tokens_per_s']:.3g}",
+             f"{c['auto_over_ar']:.2f}×", f"{c['auto_over_best_fixed']:.2f}",
+             f"{c['best_fixed']} ({c['best_fixed_over_ar']:.2f}×)", "; then ".join(dict.fromkeys(c["auto_plans"]))
+             or "autoregressive"] for regime, v in data["regimes"].items() for c in v["cases"]))
+        yield ""
+        yield from grid(["regime", "cases", "worst auto / AR", "where", "worst auto / best fixed", "where"], (
+            [regime, str(w["cases"]), f"{w['auto_over_ar']:.2f}×", w["auto_over_ar_where"],
+             f"{w['auto_over_best_fixed']:.2f}", w["auto_over_best_fixed_where"]]
+            for regime, w in data["summary"]["planner_real"].items()))
     elif stem.startswith("batch-") and "results" in data:
         yield from grid(["setting", "method", "sampling", "tokens/s", "ratio", "level-2 acc.", "level-3 step ms",
                          "level-2 step ms", "greedy = single"], (
@@ -642,7 +681,7 @@ def page(results: dict[str, dict]) -> str:
     for paragraph in intro:
         lines += [*textwrap.wrap(paragraph, 118, break_on_hyphens=False, break_long_words=False), ""]
     lines += ["Contents:", ""]
-    lines += [f"- [{ABOUT.get(s, About(s, '')).title}](#{anchor(ABOUT.get(s, About(s, '')).title)})" for s in stems]
+    lines += [f"- [{about(s).title}](#{anchor(about(s).title)})" for s in stems]
     lines.append("")
     for s in stems:
         lines += section(s, results[s], results)

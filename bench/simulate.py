@@ -16,8 +16,11 @@ before its code went).
 Batched regimes (each setting whose rounds bench.batch recorded) run the batch's policy (core.plan.policy.BatchAuto)
 round by round the same way: each request's drafts stand with the regime's acceptance, each step costs what was
 recorded for its rows. Reported: auto over batched AR and over the best fixed γ2, on a first batch and a next one.
+
+Each case bench.planner recorded on real weights (bench/results/planner-real-<device>.json) is replayed from its own
+runs' rounds, a case after another answer after its first answer's case: auto over AR predicted beside measured.
 Writes bench/results/simulate.json with summary.simulate.{regime}.{auto_over_ar, auto_over_best_fixed[,
-new_over_old]}.
+new_over_old]} and the replayed cases under `traces`.
 
 What a profile takes from a result file is read from it; what no benchmark recorded is an assumption named in the
 profile's `assumed` list (shown in the output)."""
@@ -355,10 +358,10 @@ class Book:
         return Auto(e, drafters, GAMMA1, AUTO_GAMMA2, streamed=prof.streamed, ahead=prof.ahead,
                     chained=prof.chained is not None)
 
-    def auto_run(self, seed: int, tokens: int, second: bool = False) -> float:
+    def auto_run(self, seed: int, tokens: int, second: bool = False, before: Profile | None = None) -> float:
         """The warm-up, the Compare click's autoregressive run, then auto's run: its tokens per millisecond. With
         `second`, another question on the document was answered first, its acceptances not this answer's
-        (`luckier`): what that answer saw is this run's prior."""
+        (`before`, by default `luckier`): what that answer saw is this run's prior."""
         prof = self.prof
         short = Simulator(replace(prof, level3={r: SHORT_COST * ms for r, ms in prof.level3.items()}), seed)
         level1 = next(iter(prof.drafters), "")
@@ -367,7 +370,7 @@ class Book:
             short.run(self.policy(plan, SHORT_TOKENS), n)
             self.learn()
         if second:
-            Simulator(luckier(prof), seed + 7919).run(self.policy(None, prof.prompt_tokens), tokens)
+            Simulator(before or luckier(prof), seed + 7919).run(self.policy(None, prof.prompt_tokens), tokens)
             self.learn()
         sim = Simulator(prof, seed)
         sim.run(self.policy(AUTOREGRESSIVE, prof.prompt_tokens), AR_TOKENS)
@@ -418,6 +421,97 @@ def fixed_rate(prof: Profile, h: Hierarchy, seeds: int, tokens: int) -> float:
 def book_free():
     """Estimates for a fixed plan that learns nothing kept (the comparison runs)."""
     return CostBook().estimates(Regime(False, 1, False), 4096)
+
+
+# Recorded traces: each case bench.planner measured on real weights, replayed from its own runs' rounds
+
+
+def medians(samples: dict[int, list[float]]) -> dict[int, float]:
+    return {k: statistics.median(v) for k, v in sorted(samples.items()) if v}
+
+
+def trace_profile(name: str, case: dict, streamed: bool, gpu: bool) -> Profile:
+    """One recorded case's truth from its runs' rounds: level 3 by rows (the AR run's steps and each fixed plan's
+    full drafts), a level-2 forward drafting alone (the levels 2 → 3 runs) and checking level 1 (prompt lookup's
+    run), each level-1 drafter's figures from its fixed run, level 2's acceptance from the levels 2 → 3 runs."""
+    runs = case["runs"]
+    level3: dict[int, list[float]] = {}
+    alone, checking, a2 = [], [], []
+    for plan, r in runs.items():
+        if plan == "auto" or "ahead" in plan:
+            continue
+        for (l1, l2, l3, _, forwards), (drafted, _) in zip(r["rounds"], r["verified"]):
+            if plan == "ar" or drafted == r["gamma2"]:
+                level3.setdefault(drafted + 1, []).append(l3)
+            if forwards and plan.startswith("levels 2"):
+                alone.append(l2 / forwards)
+            elif forwards and plan.startswith("levels 1"):
+                checking.append(l2 / forwards)
+        if plan.startswith("levels 2") and r["level2_acceptance"]:
+            a2.append(r["level2_acceptance"])
+    level2_one = statistics.median(alone)
+    drafters = {}
+    for plan, drafter in (("levels 1→2→3 lookup", "ngram"), ("levels 1→2→3 draft model", "model")):
+        if (r := runs.get(plan)) is not None:
+            asked = max(1, sum(f for *_, f in r["rounds"]) * r["gamma1"])
+            drafters[drafter] = Level1(sum(x[0] for x in r["rounds"]) / asked, r["level1_acceptance"],
+                                       r["level1_acceptance"], min(1.0, r["level1_proposed"] / asked),
+                                       drafter == "ngram")
+    assumed = ["a level-1 token asked costs its run's level-1 time over γ1 per level-2 check", "a13 = a1",
+               "level 3 accepts level 2's guess as often as a draft (a2)"]
+    if streamed:
+        assumed += ["level 2 beside the pass as fast as alone", "nothing follows the pass"]
+    return Profile(name, medians(level3), statistics.median(checking) if checking else level2_one, level2_one,
+                   level2_one if gpu else None, drafters, statistics.fmean(a2), streamed=streamed,
+                   ahead=streamed and gpu, greedy=case["sampling"] == "greedy",
+                   prompt_tokens=runs["ar"]["prompt_tokens"], linear=not gpu, assumed=assumed)
+
+
+def trace_batch(name: str, case: dict, requests: int) -> BatchProfile:
+    """One recorded batch case's truth: level 3 at the AR rounds and at a fixed γ2's, level 2 per step, its
+    acceptance."""
+    runs = case["runs"]
+    g = max(GAMMAS_TRACED, key=lambda g: bool(runs.get(f"levels 2→3 γ2 {g}", {}).get("level2_step_ms")))
+    fixed = runs[f"levels 2→3 γ2 {g}"]
+    return BatchProfile(name, requests, fixed["prompt_tokens"], {requests: runs["ar"]["level3_ms"],
+                                                                   requests * (g + 1): fixed["level3_ms"]},
+                        fixed["level2_step_ms"], min(fixed["level2_acceptance"] or 0.0, 0.995),
+                        case["sampling"] == "greedy", ["a level-2 step for fewer requests costs what it did for all"])
+
+
+GAMMAS_TRACED = (4, 8, 2, 16)  # the levels 2 → 3 runs a batch's costs are read from, the first recorded
+
+
+def replay_traces(seeds: int) -> dict[str, list[dict]]:
+    """Each recorded case of bench.planner (bench/results/planner-real-*.json): auto's measured ratio over AR beside
+    the one its replay predicts (a case after another answer replayed after the first answer's case)."""
+    out = {}
+    for file in sorted(RESULTS.glob("planner-real-*.json")):
+        data, rows = json.loads(file.read_text()), []
+        gpu = data.get("device", "cpu") != "cpu"
+        for regime, entry in data["regimes"].items():
+            scn, first = entry["scenario"], {}
+            for case in entry["cases"]:
+                label = f"{regime} {case['doc']} {case['sampling']} {case['new_tokens']}"
+                tokens, second = case["new_tokens"], case["answer"] != "first"
+                if scn["requests"] > 1:
+                    prof = trace_batch(label, case, scn["requests"])
+                    figures = simulate_batch(prof, seeds, tokens)
+                    predicted = (figures["second_batch"] if second else figures)["auto_over_ar"]
+                else:
+                    prof = trace_profile(label, case, scn["offload"], gpu)
+                    first.setdefault(label, prof)
+                    ar = fixed_rate(prof, AUTOREGRESSIVE, seeds, tokens)
+                    auto = [Book(prof).auto_run(s, tokens, second, first[label] if second else None)
+                            for s in range(seeds)]
+                    predicted = statistics.mean(auto) / ar
+                rows.append({"regime": regime, "doc": case["doc"], "sampling": case["sampling"],
+                             "new_tokens": tokens, "answer": case["answer"], "measured": case["auto_over_ar"],
+                             "predicted": predicted, "error": predicted / case["auto_over_ar"] - 1})
+                print(f"{file.stem} {label} {case['answer']}: auto/AR measured {case['auto_over_ar']:.3f}, "
+                      f"predicted {predicted:.3f}", flush=True)
+        out[file.stem] = rows
+    return out
 
 
 # Batched regimes: a batch's rounds under core.plan.policy.BatchAuto, from the rounds bench.batch recorded
@@ -564,7 +658,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['best_fixed']}, {r['best_fixed_over_ar']:.2f}x)", flush=True)
     summary = {name: {k: r[k] for k in ("auto_over_ar", "auto_over_best_fixed", "new_over_old") if k in r}
                for name, r in results.items()}
-    print(save("simulate", {**environment(), "regimes": results, "summary": {"simulate": summary}}))
+    traces = replay_traces(args.seeds)
+    summary |= {f"traces_{stem}": {"worst_error": max((abs(r["error"]) for r in rows), default=None)}
+                for stem, rows in traces.items()}
+    print(save("simulate", {**environment(), "regimes": results, "traces": traces,
+                            "summary": {"simulate": summary}}))
 
 
 if __name__ == "__main__":

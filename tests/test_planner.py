@@ -3,6 +3,8 @@ lines, Beta acceptances, the cost book carried between runs), its policy (measur
 gain), checked as properties, on the regimes bench.simulate replays, and inside the engine (exact while it switches:
 greedy token-identical to autoregressive, the sampled distribution the target's)."""
 
+import argparse
+import json
 import random
 import time
 from dataclasses import replace
@@ -11,6 +13,8 @@ import pytest
 import torch
 
 import core.engine
+from bench.common import RESULTS
+from bench.planner import Scenario, scenario
 from bench.simulate import batch_profiles, profiles, simulate, simulate_batch
 from core.config import GenerationConfig
 from core.decode.drafters import NgramDrafter
@@ -505,6 +509,59 @@ def test_on_every_recorded_batch_auto_keeps_up_with_autoregressive_and_the_best_
     r = simulate_batch(profile, seeds=10, tokens=128)
     for s in (r, r["second_batch"]):
         assert s["auto_over_ar"] >= 0.97 and s["auto_over_best_fixed"] >= 0.9, r
+
+
+# On the real-weight traces bench.planner recorded (bench/results/planner-real-<device>.json)
+
+REGRET_COMMAND = ("python -m bench.planner --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b "
+                  "--regimes onchip-30k offload-30k --record")
+
+
+def noise_floor(cases: list[dict]) -> float:
+    """The lowest ratio two runs of one plan gave on the machine that recorded `cases` (one file): where method auto
+    ran autoregressive decoding throughout, its run and AR's are the same plan run twice, so their ratio is the
+    machine's run-to-run noise (the planner's own time, which it adds, is checked apart); which of the two ran first
+    is no property of the plan, so a ratio r says 1/r as well. 1.0 where no case ran the same plan twice: the
+    file then shows no noise to allow for."""
+    same = [c["auto_over_ar"] for c in cases if c["auto_plans"] == ["autoregressive"]]
+    return min([1.0, *(min(r, 1.0 / r) for r in same)])
+
+
+def recorded_cases(on_gpu: bool) -> list:
+    """Every recorded case of the CPU's trace files or the GPUs', each its own parameter with its file's noise
+    floor; none recorded: one parameter that skips and says how to record them."""
+    files = [f for f in sorted(RESULTS.glob("planner-real-*.json")) if f.stem.endswith("-cpu") != on_gpu]
+    cases = []
+    for f in files:
+        regimes = json.loads(f.read_text())["regimes"]
+        floor = noise_floor([c for entry in regimes.values() for c in entry["cases"]])
+        cases += [pytest.param(c, floor, id=f"{f.stem.removeprefix('planner-real-')} {regime} {c['doc']} "
+                                            f"{c['sampling']} {c['new_tokens']} {c['answer']}")
+                  for regime, entry in regimes.items() for c in entry["cases"]]
+    where = "a GPU" if on_gpu else "a CPU"
+    return cases or [pytest.param(None, 1.0, marks=pytest.mark.skip(
+        reason=f"no real-weight trace recorded on {where} yet: {REGRET_COMMAND}"), id=f"none on {where}")]
+
+
+@pytest.mark.parametrize("case, floor", recorded_cases(on_gpu=True) + recorded_cases(on_gpu=False))
+def test_on_every_recorded_real_weight_case_auto_keeps_up_with_autoregressive_and_the_best_fixed_plan(case, floor):
+    """Measured on real weights, each document, sampling and answer length, on a first answer and after another:
+    method auto within 3 % of autoregressive decoding and within 10 % of the fastest fixed plan in hindsight, beyond
+    what the recording machine's own noise can say (`floor`: the lowest ratio two runs of one plan gave in the same
+    file; every run, the fixed plans' too, is one run on that machine). What auto adds of its own, the time its
+    rounds leave to the planner and the events, stays within the same 3 %."""
+    auto = case["runs"]["auto"]
+    assert auto["outside_rounds_ms"] <= 0.03 * auto["new_tokens"] * auto["ms_per_token"], auto["outside_rounds_ms"]
+    assert case["auto_over_ar"] >= 0.97 * floor, (floor, case["auto_plans"])
+    assert case["auto_over_best_fixed"] >= 0.9 * floor, (floor, case["best_fixed"], case["auto_plans"])
+
+
+def test_a_regime_s_name_says_its_prompt_length_its_requests_and_where_its_cache_lives():
+    assert scenario("cpu-onchip-4k") == Scenario("cpu-onchip-4k", 4000, 1, offload=False)
+    assert scenario("offload-124k") == Scenario("offload-124k", 124000, 1, offload=True)
+    assert scenario("batch-8x30k") == Scenario("batch-8x30k", 30000, 8, offload=False)
+    with pytest.raises(argparse.ArgumentTypeError):
+        scenario("onchip")
 
 
 # Inside the engine

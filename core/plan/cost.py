@@ -24,13 +24,15 @@ class Line:
     """What one kind of step costs by the rows it feeds (its new tokens): `fixed` + `per_row` × rows, less
     `one_row_saving` for a step of one row (a decode step of one row takes its own, cheaper path through the kernels;
     None: no one-row step measured). `spans_rows`: the slope was measured over several sizes (else it is a guess);
-    `largest`: the most rows measured behind it."""
+    `largest`: the most rows measured behind it; `evidence`: the weight of the pairs of sizes behind the slope (what
+    a line fitted over this one as its prior counts it for; core.plan.estimate.fit)."""
 
     fixed: float
     per_row: float = 0.0
     one_row_saving: float | None = None
     spans_rows: bool = False
     largest: int = 1
+    evidence: float = 0.0
 
     def __call__(self, rows: float) -> float:
         saving = self.one_row_saving if rows == 1 and self.one_row_saving is not None else 0.0

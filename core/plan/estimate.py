@@ -22,8 +22,8 @@ T = TypeVar("T")
 RECENT = 9  # samples behind each measured figure (10)
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind a default acceptance, or one borrowed from another kind of run (8)
 CARRIED_WEIGHT = 16.0  # the most observations a run carries of an acceptance to the next run of its kind (8)
-# The prior's slope counts as one pair of single samples spanning a decode step (2 and DECODE_TOKENS rows): a slope
-# seen over a narrow span of sizes is mostly noise, one seen across the step outweighs the prior (11).
+# A prior line with no record of the pairs behind it counts its slope as one pair of single samples spanning a
+# decode step (2 and DECODE_TOKENS rows); a fitted one counts as the pairs it was fitted from (its evidence) (11).
 SLOPE_PRIOR = float((DECODE_TOKENS - 2) ** 2)
 LEVEL2_PRIOR = 0.9  # level 3's acceptance of level 2's tokens before any is measured (13)
 FIRST_SAMPLE = 0.01  # a step size's first sample, against a repeated one: a first use may pay one-time work (12)
@@ -78,11 +78,17 @@ def weighted_median(values: Iterable[tuple[float, float]]) -> float:
 def fit(points: dict[int, tuple[float, int]], prior: Line | None) -> Line | None:
     """The line through a step's measured sizes, rows -> (cost, samples), robust to a stray sample:
     - the slope is the weighted median of the slopes between every two sizes (Theil-Sen), a pair weighted by its
-      samples and its squared gap (what it tells of a slope), the prior's slope one more pair of weight SLOPE_PRIOR;
-      never negative, as a step over more rows reads as much and computes more;
+      samples and its squared gap (what it tells of a slope), the prior's slope one more pair weighted by the pairs
+      behind it (its `evidence`; SLOPE_PRIOR for a line without that record): sizes measured in different runs
+      differ by the machine's load between those runs as much as by their rows, so a slope between two sizes of a
+      short span seen here is not preferred to one seen across a decode step in another kind of run; never
+      negative, as a step over more rows reads as much and computes more;
     - the level is the weighted median of each size's cost less its rows' share, over the sizes above one row: one
       measured size sets it, so a prior from another length or kind is shifted by the first step measured here;
-    - a one-row step keeps its own saving against that line (its kernels' own path), or the prior's;
+    - a one-row step keeps its own saving against that line (its kernels' own path), or the prior's; a one-row
+      step measured above that line (a negative saving: the path it takes only ever saves) says the larger sizes'
+      level was measured low, and the level is then the weighted median over every size, the one-row one included,
+      so a larger size seen once (at a quiet moment of a busy machine) does not outweigh one row seen often;
     - a size's first sample counts FIRST_SAMPLE of a repeated one: a first use may pay one-time work.
     Without a point, the prior (None without one)."""
     if not points:
@@ -91,19 +97,22 @@ def fit(points: dict[int, tuple[float, int]], prior: Line | None) -> Line | None
     pairs = [((points[a][0] - points[b][0]) / (a - b), weights[a] * weights[b] * (a - b) ** 2)
              for a, b in combinations(points, 2)]
     if prior is not None and prior.spans_rows:
-        pairs.append((prior.per_row, SLOPE_PRIOR))
+        pairs.append((prior.per_row, prior.evidence or SLOPE_PRIOR))
     per_row = max(0.0, weighted_median(pairs)) if pairs else prior.per_row if prior else 0.0
     spans = len(points) > 1 or (prior is not None and prior.spans_rows)
     saving = prior.one_row_saving if prior is not None else None
     multi = [rows for rows in points if rows > 1]
     if multi:
         fixed = weighted_median((points[rows][0] - per_row * rows, weights[rows]) for rows in multi)
+        if 1 in points and fixed + per_row < points[1][0]:  # a one-row step costlier than the larger steps' line
+            fixed = weighted_median((points[rows][0] - per_row * rows, weights[rows]) for rows in points)
         if 1 in points:  # never above a two-row step: more rows cost no less
             saving = max(-per_row, fixed + per_row - points[1][0])
     else:  # one row only: the line through it with the prior's slope and saving
         saving = saving if saving is not None else 0.0
         fixed = points[1][0] + saving - per_row
-    return Line(fixed, per_row, saving, spans, max(max(points), prior.largest if prior is not None else 1))
+    return Line(fixed, per_row, saving, spans, max(max(points), prior.largest if prior is not None else 1),
+                sum(w for _, w in pairs))
 
 
 def points(samples: dict[int, deque]) -> dict[int, tuple[float, int]]:
