@@ -135,8 +135,8 @@ def test_ar_decoded_in_pieces_read_back_together_emits_what_single_steps_do(embe
     doc = (DOCS / CASES[1][0]).read_text()[:3000]
 
     def answer(piece: int, method: str = "ar", **settings) -> list[int]:
-        monkeypatch.setattr(autoregressive, "read_back", lambda cfg, target: piece)
-        monkeypatch.setattr(triforce, "read_back", lambda cfg, target: piece)
+        monkeypatch.setattr(autoregressive, "read_back", lambda cfg, device: piece)
+        monkeypatch.setattr(triforce, "read_back", lambda cfg, device: piece)
         cfg = GenerationConfig(method=method, max_new_tokens=11, budget=64, chunk_size=8, **settings)
         return list(engine.generate(doc, "Explain.", cfg))[-1].token_ids
 

@@ -25,11 +25,10 @@ NEAR_TIE = 1.0  # greedy runs record the steps whose top two logits are closer t
 READ_BACK = 8
 
 
-def read_back(cfg: GenerationConfig, target: Level) -> int:
-    """Tokens per read-back: READ_BACK on a GPU where draws may stay on the device (core.decode.request.chains) and
-    the cache is resident, else 1 (a CPU computes each step while the host waits anyway; an offloaded step's copies
-    outlast the host's work)."""
-    return READ_BACK if target.model.device.type == "cuda" and target.cache.resident and chains(cfg) else 1
+def read_back(cfg: GenerationConfig, device: torch.device) -> int:
+    """Tokens per read-back: READ_BACK on a GPU where draws may stay on the device (core.decode.request.chains),
+    else 1 (a CPU computes each step while the host waits anyway)."""
+    return READ_BACK if device.type == "cuda" and chains(cfg) else 1
 
 
 def next_token(target: Level, seq: list[int], repetition: Repetition, cfg: GenerationConfig,
@@ -62,7 +61,7 @@ class Autoregressive:
         seq = list(self.prompt)
         step = 0
         repetition = Repetition(cfg, target.model.args.vocab_size, target.model.device, len(seq))
-        piece = read_back(cfg, target)
+        piece = read_back(cfg, target.model.device)
         while not out.done:
             t0 = clock(target.graphs)
             if piece == 1:

@@ -82,7 +82,7 @@ class TriForce:
 
     def piece(self) -> int:
         """Autoregressive rounds to decode on the device before reading them back (read_back), within the answer."""
-        return min(read_back(self.cfg, self.target), self.cfg.max_new_tokens - len(self.out.ids))
+        return min(read_back(self.cfg, self.target.model.device), self.cfg.max_new_tokens - len(self.out.ids))
 
     def autoregressive_piece(self, seq: list[int], round_: int, n: int
                              ) -> Generator[Event, None, tuple[int, torch.Tensor]]:
