@@ -121,30 +121,3 @@ def test_greedy_triforce_equals_ar_on_a_tiny_qwen2_with_biases_and_tied_embeddin
     for drafter in ("model", "ngram"):
         tf, _ = run(engine, doc, "Explain.", method="triforce", drafter=drafter, **common)
         assert tf.token_ids == ar.token_ids, f"drafter {drafter} diverged from AR"
-
-
-def test_ar_decoded_in_pieces_read_back_together_emits_what_single_steps_do(embedded, one_thread, monkeypatch):
-    """A GPU's AR draws each token on the device and reads READ_BACK of them back at once (here forced on a CPU):
-    the same tokens as one step at a time, greedy and sampled, ending mid-piece at the token limit or at an EOS."""
-    from core.decode import autoregressive, triforce
-    config = tiny_config("qwen2", vocab=len(embedded.tokenizer), layers=2, max_position=4096, tie_word_embeddings=True)
-    _, target = tiny_pair(config, seed=0, scale=4.0, biases=0.5)
-    target.eos_ids = set()
-    target.requires_grad_(False)
-    engine = Engine.from_models(target, embedded.tokenizer, "tiny-qwen2")
-    doc = (DOCS / CASES[1][0]).read_text()[:3000]
-
-    def answer(piece: int, method: str = "ar", **settings) -> list[int]:
-        monkeypatch.setattr(autoregressive, "read_back", lambda cfg, device: piece)
-        monkeypatch.setattr(triforce, "read_back", lambda cfg, device: piece)
-        cfg = GenerationConfig(method=method, max_new_tokens=11, budget=64, chunk_size=8, **settings)
-        return list(engine.generate(doc, "Explain.", cfg))[-1].token_ids
-
-    for settings in ({"greedy": True}, {"greedy": False, "temperature": 0.8, "top_p": 0.9, "seed": 3}):
-        single = answer(1, **settings)
-        assert len(single) == 11 and answer(4, **settings) == single
-        target.eos_ids = {single[6]}  # a stop inside the second piece
-        stopped = answer(1, **settings)
-        assert len(stopped) <= 7 and answer(4, **settings) == stopped
-        target.eos_ids = set()
-    assert answer(4, "auto", greedy=True) == answer(1, greedy=True)  # auto's autoregressive rounds in pieces too

@@ -12,11 +12,11 @@ from typing import Generator, Iterator, Sequence, TypeVar
 import torch
 
 from core.decode.ahead import Ahead, Draft, Overlap
-from core.decode.autoregressive import decode_piece, next_token, read_back
+from core.decode.autoregressive import next_token
 from core.decode.drafters import Drafter
 from core.decode.graphs import Graphs, clock
 from core.decode.request import RequestState
-from core.decode.round import AUTOREGRESSIVE, Forwards, Hierarchy, Policy, RoundRecord
+from core.decode.round import Forwards, Hierarchy, Policy, RoundRecord
 from core.decode.sampling import distributions, draw
 from core.events import DraftProposal, Event, Footprint, PlanChosen, RetrievalSelection, StepTiming, Verdict
 
@@ -57,10 +57,6 @@ class TriForce:
                 self.plans.append(h.name)
                 yield PlanChosen(round=round_, plan=h.name, reason=self.policy.reason, level1=h.level1,
                                  level2=h.level2, gamma1=h.gamma1, gamma2=h.gamma2, ahead=h.ahead)
-            if h == AUTOREGRESSIVE and (n := self.piece()) > 1:
-                round_, feature = yield from self.autoregressive_piece(seq, round_, n)
-                ready = None
-                continue
             record = RoundRecord(h)
             draft = yield from self.draft(h, seq, round_, feature, ready, record)
             accepted, token, feature, ready = self.verify(h, seq, draft, round_, record)
@@ -79,34 +75,6 @@ class TriForce:
                              level3_ms=record.level3_wall_ms, selection_ms=record.selection_ms, tokens=accepted + 1,
                              level2_forwards=draft.level2_forwards)
             round_ += 1
-
-    def piece(self) -> int:
-        """Autoregressive rounds to decode on the device before reading them back (read_back), within the answer."""
-        return min(read_back(self.cfg, self.target.model.device), self.cfg.max_new_tokens - len(self.out.ids))
-
-    def autoregressive_piece(self, seq: list[int], round_: int, n: int
-                             ) -> Generator[Event, None, tuple[int, torch.Tensor]]:
-        """n autoregressive rounds decoded on the device and read back at once (core.decode.autoregressive): each a
-        round of its own to the events and the policy, which chooses again after the piece. Returns the next round
-        and the hidden state the last token came from (level 2's feature)."""
-        t0 = clock(self.graphs)
-        tokens, steps = decode_piece(self.target, seq, n, self.cfg, self.generator)
-        ms = (clock(self.graphs) - t0) * 1e3 / n
-        feature = steps[0][0][0]
-        for token, (hidden, _) in zip(tokens, steps):
-            if self.out.done:  # decoded past a stop: dropped (the target rolls its cache back when next fed)
-                break
-            record = RoundRecord(AUTOREGRESSIVE, level3_ms=ms, level3_wall_ms=ms, rows=1)
-            self.counts.count(1, 0, 0)
-            feature = hidden[0]
-            yield Verdict(level=3, round=round_, proposed=[], accepted=0, token=token, bonus=True)
-            if self.policy.in_passing:
-                record.in_passing = self.shadow(AUTOREGRESSIVE, seq, [token])
-            yield self.request.emit([token], ["target"], round_)
-            self.policy.observe(record)
-            yield StepTiming(round=round_, level1_ms=0.0, level2_ms=0.0, level3_ms=ms, selection_ms=0.0, tokens=1)
-            round_ += 1
-        return round_, feature
 
     def draft(self, h: Hierarchy, seq: list[int], round_: int, feature: torch.Tensor | None, ready: Ahead | None,
               record: RoundRecord) -> Generator[Event, None, Draft]:
