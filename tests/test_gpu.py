@@ -428,33 +428,6 @@ def test_attention_rows_of_a_many_token_step_equal_one_token_steps(triton, case)
             assert torch.equal(many[:, i], one[:, 0]), (k, i)
 
 
-def test_a_batch_step_attends_each_sequence_as_it_would_alone(triton):
-    """One launch of store + attention over several caches (different capacities, lengths and rows, in one
-    layer of three) equals each cache stepped alone, bit for bit, and stores only its own new keys."""
-    g = torch.Generator(DEV).manual_seed(5)
-    hq, hkv, d, layer = 12, 2, 128, 1
-    caches = [(randn(3, hkv, cap, d, g=g), randn(3, hkv, cap, d, g=g), torch.tensor([base, base], device=DEV), n)
-              for cap, base, n in ((4096, 3000, 1), (30_100, 30_000, 7), (700, 20, 32), (30_100, 12_345, 3))]
-    rows = sum(n for *_, n in caches)
-    q, k, v = randn(rows, hq, d, g=g), randn(rows, hkv, d, g=g), randn(rows, hkv, d, g=g)
-    ang = randn(rows, d // 2, g=g, dtype=torch.float32)
-    cos, sin = torch.cat((ang, ang), -1).cos().to(BF16), torch.cat((ang, ang), -1).sin().to(BF16)
-    alone = [(kc.clone(), vc.clone(), meta, n) for kc, vc, meta, n in caches]
-    tab = triton.k.table(caches)
-    first = caches[0]
-    rotated = triton.k.store(q, k, v, cos, sin, first[0], first[1], first[2], tab, layer)
-    out = triton.k.attention(rotated, first[0], first[1], first[2], tab, layer)
-    a = 0
-    for (kc, vc, meta, n), (kb, vb, _, _) in zip(caches, alone):
-        rows_of = slice(a, a + n)
-        one_q = triton.k.rope_store(q[rows_of], k[rows_of], v[rows_of], cos[rows_of], sin[rows_of], kb[layer],
-                                    vb[layer], meta)
-        one = triton.k.decode_attention(one_q, kb[layer], vb[layer], meta)
-        assert torch.equal(rotated[:, rows_of], one_q) and torch.equal(out[:, rows_of], one)
-        assert torch.equal(kc, kb) and torch.equal(vc, vb)  # the same slots written, no other
-        a += n
-
-
 @pytest.mark.parametrize("shape", [(1536, 8960), (17920, 1536), (151936, 1536), (4096, 4096), (576, 49152)])
 def test_projection_rows_of_a_many_token_step_equal_one_token_steps(triton, shape):
     """The GEMV as a plain projection, with a bias, added into a residual, and as float32 LM-head logits."""

@@ -33,7 +33,6 @@ class KVCache:
     """
 
     resident = True  # the storage is where the model computes (an offloaded cache streams it there layer by layer)
-    flat = True  # layer i is k[i], v[i], read in place: the decode kernels reach it through k and v alone
     moved = 0  # bytes copied between host and device memory so far (an offloaded cache's host-link load)
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,

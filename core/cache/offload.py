@@ -34,7 +34,6 @@ class OffloadedKVCache(KVCache):
     device copy of layer i, prefetched while earlier layers compute."""
 
     resident = False
-    flat = False  # layer i is a staged copy (layer, attended)
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str, buffers: int = 2):

@@ -25,7 +25,6 @@ class Graph:
     ids: torch.Tensor
     hidden: torch.Tensor
     queries: list[torch.Tensor]
-    on: object = None  # what a batch's step was captured on (its Ragged): what the kernels read lives as long
 
 
 KEPT_LAYOUTS = 2  # per cache
@@ -100,7 +99,6 @@ class RaggedGraphs:
         while g is None and len(self.kept) >= KEPT_RAGGED:  # room for the one captured now
             del self.kept[next(iter(self.kept))]
         g = self.kept[key] = self.graphs.replay(g, model, ragged, ids, None, record, ops)  # the latest last
-        g.on = g.on or ragged
         ragged.end()
         return g.hidden.clone(), list(g.queries)
 

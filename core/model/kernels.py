@@ -5,8 +5,6 @@ Imported lazily by core.model.ops.ops_for: CPU machines never need Triton."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -27,91 +25,59 @@ TARGET_PROGRAMS = 2 * 132  # two per SM of an H100/H200: more, shorter splits me
 TILE_ROWS = 16  # query rows one attention program computes (a step's rows are tiled: 16 x tiles)
 
 
-# A step's attention over one cache or over the caches of a batch (ragged: each sequence's rows over its own cache)
-# is the same three launches per layer, whatever the number of sequences: RoPE + store, split-K attention, the
-# splits' reduction. Each sequence ("part") is one row of a table on the device (Table) that locates its buffers
-# relative to the first part's and says how its key range is split, so a CUDA graph of the step stays valid as
-# the caches grow. A part's rows are computed as they are when it steps alone: batched greedy rows equal single ones.
-COLUMNS = 8  # per part: keys offset, values offset, meta offset, capacity, splits, split length, first row, rows
-
-
 @triton.jit
-def _split_kernel(Q, K, V, Meta, Table, Part, Lse, layer, n_total, scale,
-                  stride_pp, stride_ph, stride_ps, stride_pm, stride_lp, stride_lh, stride_ls,
-                  HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  D: tl.constexpr):
-    """One (row tile, split, part x KV head): online softmax of BLOCK_M of the part's query rows (the group's
-    heads x its new tokens) over keys [start, start + split_len) of its cache."""
+def _split_kernel(Q, K, V, Meta, Part, Lse, split_len, scale,
+                  stride_qh, stride_kh, stride_kn, stride_ph, stride_ps, stride_pm, stride_lh, stride_ls,
+                  N_NEW, ROWS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """One (row tile, split, KV head): online softmax of BLOCK_M of the group's query rows over keys [start, start +
+    split_len). The tiles of one split are neighbouring programs, so they read its keys from L2 after the first."""
     t = tl.program_id(0)
     s = tl.program_id(1)
-    p = tl.program_id(2) // HKV
-    h = tl.program_id(2) % HKV
-    row = Table + p * 8
-    cap = tl.load(row + 3)
-    splits = tl.load(row + 4)
-    n_new = tl.load(row + 7)
-    if (t * BLOCK_M < GROUP * n_new) & (s < splits):
-        split_len = tl.load(row + 5)
-        row0 = tl.load(row + 6)
-        head = (layer * HKV + h).to(tl.int64) * cap * D
-        k_base = K + tl.multiple_of(tl.load(row) + head, 16)  # buffers are aligned: lets loads be 16-byte wide
-        v_base = V + tl.multiple_of(tl.load(row + 1) + head, 16)
-        base = tl.load(Meta + tl.load(row + 2) + 1)  # slot of the part's first new token
-        length = base + n_new
-        start = s * split_len
-        end = tl.minimum(start + split_len, length)
-        rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, D)
-        row_ok = rows < GROUP * n_new
-        token = rows % n_new
-        q_head = h * GROUP + rows // n_new
-        limit = base + token  # causal: new token i sees keys up to its own slot
-        q = tl.load(Q + (q_head.to(tl.int64) * n_total + row0 + token)[:, None] * D + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for kb in range(start, end, BLOCK_N):
-            offs = kb + tl.arange(0, BLOCK_N)
-            ok = offs < end
-            k = tl.load(k_base + offs[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)
-            v = tl.load(v_base + offs[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)
-            x = tl.dot(q, tl.trans(k)) * scale
-            x = tl.where(ok[None, :] & (offs[None, :] <= limit[:, None]), x, float("-inf"))
-            m_new = tl.maximum(m, tl.max(x, 1))
-            pr = tl.exp2(x - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(pr, 1)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m = m_new
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        part = Part + p * stride_pp + h * stride_ph + s * stride_ps
-        tl.store(part + rows[:, None] * stride_pm + dims[None, :], out)
-        lse = Lse + p * stride_lp + h * stride_lh + s * stride_ls
-        tl.store(lse + rows, tl.where(l > 0, m + tl.log2(l), float("-inf")))
+    h = tl.program_id(2)
+    base = tl.load(Meta + 1)  # slot of the first new token; keys [0, base + N_NEW) are valid
+    length = base + N_NEW
+    start = s * split_len
+    end = tl.minimum(start + split_len, length)
+    rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    row_ok = rows < ROWS
+    limit = base + rows % N_NEW  # causal: new token i sees keys up to its own slot
+    q = tl.load(Q + h * stride_qh + rows[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for kb in range(start, end, BLOCK_N):
+        offs = kb + tl.arange(0, BLOCK_N)
+        ok = offs < end
+        k = tl.load(K + h * stride_kh + offs[:, None] * stride_kn + dims[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(V + h * stride_kh + offs[:, None] * stride_kn + dims[None, :], mask=ok[:, None], other=0.0)
+        x = tl.dot(q, tl.trans(k)) * scale
+        x = tl.where(ok[None, :] & (offs[None, :] <= limit[:, None]), x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        p = tl.exp2(x - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(Part + h * stride_ph + s * stride_ps + rows[:, None] * stride_pm + dims[None, :], out)
+    tl.store(Lse + h * stride_lh + s * stride_ls + rows, tl.where(l > 0, m + tl.log2(l), float("-inf")))
 
 
 @triton.jit
-def _reduce_kernel(Part, Lse, Table, Out, stride_pp, stride_ph, stride_ps, stride_pm, stride_lp, stride_lh,
-                   stride_ls, stride_on, stride_oh, HKV: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
-                   D: tl.constexpr):
-    """Combine the SPLITS splits of one (part x KV head, query row) and write it as out[token, query head]; parts
-    split otherwise are another launch's (a part's sums then take the same shape in a batch as alone)."""
-    p = tl.program_id(0) // HKV
-    h = tl.program_id(0) % HKV
+def _reduce_kernel(Part, Lse, Out, stride_ph, stride_ps, stride_pm, stride_lh, stride_ls, stride_on, stride_oh,
+                   N_NEW, GROUP: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr):
+    """Combine the splits of one (KV head, query row) and write it as out[token, query head]."""
+    h = tl.program_id(0)
     r = tl.program_id(1)
-    row = Table + p * 8
-    n_new = tl.load(row + 7)
-    if (r < GROUP * n_new) & (tl.load(row + 4) == SPLITS):
-        splits = tl.arange(0, SPLITS)
-        dims = tl.arange(0, D)
-        lse = tl.load(Lse + p * stride_lp + h * stride_lh + splits * stride_ls + r)
-        w = tl.exp2(lse - tl.max(lse, 0))
-        part = tl.load(Part + p * stride_pp + h * stride_ph + splits[:, None] * stride_ps + r * stride_pm +
-                       dims[None, :])
-        out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-        token = tl.load(row + 6) + r % n_new
-        tl.store(Out + token * stride_on + (h * GROUP + r // n_new) * stride_oh + dims, out.to(Out.dtype.element_ty))
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, D)
+    lse = tl.load(Lse + h * stride_lh + splits * stride_ls + r)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Part + h * stride_ph + splits[:, None] * stride_ps + r * stride_pm + dims[None, :])
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    token, g = r % N_NEW, r // N_NEW
+    tl.store(Out + token * stride_on + (h * GROUP + g) * stride_oh + dims, out.to(Out.dtype.element_ty))
 
 
 def num_splits(n_kv_heads: int, capacity: int) -> int:
@@ -127,71 +93,32 @@ def split_length(splits: int, capacity: int, block_n: int) -> int:
     return triton.cdiv(triton.cdiv(triton.next_power_of_2(capacity), splits), block_n) * block_n
 
 
-@dataclass(frozen=True)
-class Table:
-    """The parts of a step on the device (COLUMNS each, then each row's part) and the sizes its launches need."""
-
-    data: torch.Tensor
-    parts: int
-    rows: int
-    most_rows: int  # the most new tokens of one part
-    splits: tuple[int, ...]  # the parts' split counts (one reduction launch each)
-
-
-def table(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], splits: int | None = None,
-          block_n: int = BLOCK_N) -> Table:
-    """The Table of parts (keys, values, meta, rows), keys/values [..., Hkv, capacity, D] contiguous (a whole cache,
-    whose layer the launch picks, or one layer's buffers), meta the cache's device [first position, first slot].
-    Host work and a copy: made once per cache or batch composition and kept (core.model.ops)."""
-    keys0, values0, meta0, _ = parts[0]
-    cells, owner, first = [], [], 0
-    for keys, values, meta, n in parts:
-        hkv, cap = keys.shape[-3], keys.shape[-2]
-        if not (keys.is_contiguous() and values.is_contiguous() and values.shape == keys.shape):
-            raise ValueError("a part's keys and values must be contiguous buffers of one shape")
-        s = splits or num_splits(hkv, triton.next_power_of_2(cap))
-        cells += [(keys.data_ptr() - keys0.data_ptr()) // keys.element_size(),
-                  (values.data_ptr() - values0.data_ptr()) // values.element_size(),
-                  (meta.data_ptr() - meta0.data_ptr()) // meta.element_size(), cap, s,
-                  split_length(s, cap, block_n), first, n]
-        owner += [len(cells) // COLUMNS - 1] * n
-        first += n
-    data = torch.tensor(cells + owner, dtype=torch.int64).to(keys0.device, non_blocking=False)
-    return Table(data, len(parts), first, max(n for *_, n in parts), tuple(sorted(set(cells[4::COLUMNS]))))
-
-
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, tab: Table,
-              layer: int = 0, block_n: int = BLOCK_N, stages: int = 3) -> torch.Tensor:
-    """Causal GQA attention of a step's rotated queries q [Hq, rows, D] (each part's rows together, in table order)
-    over each part's cache, whose new keys are already stored (rope_store); keys/values/meta: the first part's
-    (tab locates the others from them), `layer` the layer of a whole cache. Returns [Hq, rows, D] (a transposed view
-    of a [rows, Hq, D] buffer)."""
-    hq, n_total, d = q.shape
-    hkv = keys.shape[-3]
-    group = hq // hkv
-    tiles = triton.cdiv(group * tab.most_rows, TILE_ROWS)
-    most = tab.splits[-1]
-    part = torch.empty(tab.parts, hkv, most, tiles * TILE_ROWS, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(tab.parts, hkv, most, tiles * TILE_ROWS, dtype=torch.float32, device=q.device)
-    q = q.contiguous()
-    scale = d ** -0.5 * 1.4426950408889634  # exp2 domain
-    pstrides, lstrides = part.stride()[:4], lse.stride()[:3]
-    _split_kernel[(tiles, most, tab.parts * hkv)](
-        q, keys, values, meta, tab.data, part, lse, layer, n_total, scale, *pstrides, *lstrides, HKV=hkv, GROUP=group,
-        BLOCK_M=TILE_ROWS, BLOCK_N=block_n, D=d, num_warps=4, num_stages=stages)
-    out = torch.empty(n_total, hq, d, dtype=q.dtype, device=q.device)
-    for splits in tab.splits:
-        _reduce_kernel[(tab.parts * hkv, group * tab.most_rows)](
-            part, lse, tab.data, out, *pstrides, *lstrides, out.stride(0), out.stride(1), HKV=hkv, GROUP=group,
-            SPLITS=splits, D=d, num_warps=4)
-    return out.transpose(0, 1)
-
-
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor, splits: int | None = None,
                      block_n: int = BLOCK_N, stages: int = 3) -> torch.Tensor:
-    """attention of one sequence's new queries q [Hq, n, D] over one layer's cache k, v [Hkv, capacity, D] (its new
-    keys stored at slots meta[1] ...), with a table made for the call (tests and bench.kernel_sweep: not graph-safe)."""
-    return attention(q, k, v, meta, table([(k, v, meta, q.shape[1])], splits, block_n), 0, block_n, stages)
+    """Causal GQA attention of n new queries q [Hq, n, D] over one layer's cache k, v [Hkv, capacity, D] whose
+    new keys are already stored at slots meta[1] ... meta[1] + n - 1 (meta on the device: graph-safe).
+    Returns [Hq, n, D] (a transposed view of a [n, Hq, D] buffer). The launch parameters default to the tuned ones
+    (bench.kernel_sweep passes others)."""
+    hq, n, d = q.shape
+    hkv, capacity, _ = k.shape
+    group = hq // hkv
+    rows = group * n
+    tiles = triton.cdiv(rows, TILE_ROWS)
+    splits = splits or num_splits(hkv, triton.next_power_of_2(capacity))
+    split_len = split_length(splits, capacity, block_n)
+    part = torch.empty(hkv, splits, tiles * TILE_ROWS, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(hkv, splits, tiles * TILE_ROWS, dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    scale = d ** -0.5 * 1.4426950408889634  # exp2 domain
+    _split_kernel[(tiles, splits, hkv)](q, k, v, meta, part, lse, split_len, scale,
+                                        rows * d, k.stride(0), k.stride(1), part.stride(0), part.stride(1),
+                                        part.stride(2), lse.stride(0), lse.stride(1), N_NEW=n, ROWS=rows,
+                                        BLOCK_M=TILE_ROWS, BLOCK_N=block_n, D=d, num_warps=4, num_stages=stages)
+    out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    _reduce_kernel[(hkv, rows)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+                                lse.stride(1), out.stride(0), out.stride(1), N_NEW=n, GROUP=group, SPLITS=splits,
+                                D=d, num_warps=4)
+    return out.transpose(0, 1)
 
 
 @triton.jit
@@ -243,55 +170,45 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_store_kernel(Q, Kn, Vn, Cos, Sin, Qout, K, V, Meta, Table, layer, n_parts, stride_qn, stride_qh, stride_kn,
-                       stride_kh, stride_vn, stride_vh, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr):
-    """One (row, head) of a step (Table's parts side by side): a query head is rotated into Qout [Hq, rows, D]; a
-    KV head's key is rotated and stored with its value at its part's next cache slot (meta[1] + its token)."""
-    j = tl.program_id(0)
+def _rope_store_kernel(Q, K, V, Cos, Sin, Qout, Kc, Vc, Meta, stride_qn, stride_qh, stride_kn, stride_kh,
+                       stride_vn, stride_vh, stride_ch, stride_cn, HQ: tl.constexpr, HALF: tl.constexpr):
+    """One (token, head): a query head is rotated into Qout [Hq, n, D]; a KV head's key is rotated and stored with
+    its value at cache slot Meta[1] + token."""
+    t = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.num_programs(0)
     i = tl.arange(0, HALF)
-    c1 = tl.load(Cos + j * 2 * HALF + i).to(tl.float32)
-    c2 = tl.load(Cos + j * 2 * HALF + HALF + i).to(tl.float32)
-    s1 = tl.load(Sin + j * 2 * HALF + i).to(tl.float32)
-    s2 = tl.load(Sin + j * 2 * HALF + HALF + i).to(tl.float32)
+    c1 = tl.load(Cos + t * 2 * HALF + i).to(tl.float32)
+    c2 = tl.load(Cos + t * 2 * HALF + HALF + i).to(tl.float32)
+    s1 = tl.load(Sin + t * 2 * HALF + i).to(tl.float32)
+    s2 = tl.load(Sin + t * 2 * HALF + HALF + i).to(tl.float32)
     if h < HQ:
-        src = Q + j * stride_qn + h * stride_qh
-        dst = Qout + h * n * 2 * HALF + j * 2 * HALF
+        src = Q + t * stride_qn + h * stride_qh
+        dst = Qout + h * n * 2 * HALF + t * 2 * HALF
     else:
         hk = h - HQ
-        row = Table + tl.load(Table + n_parts * 8 + j) * 8
-        slot = tl.load(Meta + tl.load(row + 2) + 1) + j - tl.load(row + 6)
-        at = ((layer * HKV + hk).to(tl.int64) * tl.load(row + 3) + slot) * 2 * HALF
-        src = Kn + j * stride_kn + hk * stride_kh
-        dst = K + tl.multiple_of(tl.load(row) + at, 16)
-        tl.store(V + tl.multiple_of(tl.load(row + 1) + at, 16) + tl.arange(0, 2 * HALF),
-                 tl.load(Vn + j * stride_vn + hk * stride_vh + tl.arange(0, 2 * HALF)))
+        src = K + t * stride_kn + hk * stride_kh
+        dst = Kc + hk * stride_ch + (tl.load(Meta + 1) + t) * stride_cn
+        vsrc = V + t * stride_vn + hk * stride_vh
+        tl.store(Vc + hk * stride_ch + (tl.load(Meta + 1) + t) * stride_cn + tl.arange(0, 2 * HALF),
+                 tl.load(vsrc + tl.arange(0, 2 * HALF)))
     x1 = tl.load(src + i).to(tl.float32)
     x2 = tl.load(src + HALF + i).to(tl.float32)
     tl.store(dst + i, (x1 * c1 - x2 * s1).to(Qout.dtype.element_ty))
     tl.store(dst + HALF + i, (x2 * c2 + x1 * s2).to(Qout.dtype.element_ty))
 
 
-def store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          keys: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, tab: Table, layer: int = 0) -> torch.Tensor:
-    """RoPE of a step's q, k [rows, heads, D] in one launch; each part's k and v [rows, Hkv, D] go into its cache at
-    slots meta[1] + i (keys/values/meta: the first part's, as for `attention`). Returns the rotated queries
-    [Hq, rows, D]."""
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """RoPE of q, k [n, heads, D] in one launch; k and v [n, Hkv, D] go into k_cache/v_cache [Hkv, capacity, D] at
+    slots meta[1] + i. Returns the rotated queries [Hq, n, D]."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty(hq, n, d, dtype=q.dtype, device=q.device)
-    _rope_store_kernel[(n, hq + hkv)](q, k, v, cos.contiguous(), sin.contiguous(), q_out, keys, values, meta,
-                                      tab.data, layer, tab.parts, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                      v.stride(0), v.stride(1), HQ=hq, HKV=hkv, HALF=d // 2, num_warps=1)
+    _rope_store_kernel[(n, hq + hkv)](q, k, v, cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, meta,
+                                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                      k_cache.stride(0), k_cache.stride(1), HQ=hq, HALF=d // 2, num_warps=1)
     return q_out
-
-
-def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """store for one sequence and one layer's cache k_cache/v_cache [Hkv, capacity, D], with a table made for the
-    call (tests: not graph-safe)."""
-    return store(q, k, v, cos, sin, k_cache, v_cache, meta, table([(k_cache, v_cache, meta, q.shape[0])]))
 
 
 @triton.jit

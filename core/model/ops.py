@@ -24,9 +24,6 @@ class AttentionCache(Protocol):
 
     used: int
     meta: torch.Tensor  # on CUDA: [first position, first slot] of the new tokens, read by the decode kernels
-    flat: bool  # layer i is k[i], v[i] of its buffers [layers, Hkv, capacity, D], read in place (attended: no-op)
-    k: torch.Tensor
-    v: torch.Tensor
 
     def begin(self, n: int) -> None: ...
 
@@ -208,7 +205,6 @@ class TritonOps(TorchOps):
         self.gemv = gemv  # False: cuBLAS projections (TRIFORCE_GEMV=0), to compare
         self.invariant = invariant  # False: a drafting level's (its one-token steps through fused kernels)
         self._drafting: TritonOps | None = None
-        self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per cache or Ragged: rows -> Table
 
     def _gemv(self, x: torch.Tensor) -> bool:
         """A decode step's rows, one sequence's or a batch's (BATCH_TOKENS: the kernel takes them DECODE_TOKENS at a
@@ -265,41 +261,17 @@ class TritonOps(TorchOps):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k.silu_mul(gate_up) if gate_up.dim() == 2 else super().silu_mul(gate_up)
 
-    def attend(self, cache: AttentionCache | Parts, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step over one cache or a batch's: one kernel rotates q and k and stores k, v at each cache's
-        next slots, split-K attention reads each cache in place and a third kernel combines its splits, three
-        launches a layer however many sequences the step holds (core.model.kernels.Table locates them). A batch
-        with a cache that is not one buffer in place (offloaded) goes part by part; longer inputs: PyTorch."""
-        parts = getattr(cache, "parts", None) or [(cache, q.shape[0])]
-        if any(n > DECODE_TOKENS for _, n in parts) or not all(c.flat for c, _ in parts):
-            return super().attend(cache, layer, q, k, v, cos, sin)
-        first = parts[0][0]
-        tab = self._table(cache, [(c.k, c.v, c.meta, n) for c, n in parts])
-        q = self.k.store(q, k, v, cos, sin, first.k, first.v, first.meta, tab, layer)
-        return self.k.attention(q, first.k, first.v, first.meta, tab, layer), q
-
     def attend_one(self, cache: AttentionCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step over a cache that hands each layer over apart (cache.layer: an offloaded cache's staged
-        copy), through the same kernels. Longer inputs: the PyTorch path."""
+        """A decode step: one kernel rotates q and k and stores k, v at the slots in cache.meta; split-K attention
+        reads the layer in place. Longer inputs: the PyTorch path."""
         if q.shape[0] > DECODE_TOKENS:
             return super().attend_one(cache, layer, q, k, v, cos, sin)
         keys, values = cache.layer(layer)
-        tab = self._table(cache, [(keys, values, cache.meta, q.shape[0])])
-        q = self.k.store(q, k, v, cos, sin, keys, values, cache.meta, tab)
-        out = self.k.attention(q, keys, values, cache.meta, tab)
+        q = self.k.rope_store(q, k, v, cos, sin, keys, values, cache.meta)
+        out = self.k.decode_attention(q, keys, values, cache.meta)
         cache.attended(layer)
         return out, q
-
-    def _table(self, owner: object, parts: list) -> object:
-        """The kernels' Table of a step's parts, made once per owner (a cache: per step size; a batch's Ragged: it
-        is made per step, and a CUDA graph captured on one keeps that Ragged, so the table outlives its graph)."""
-        tables = self._tables.setdefault(owner, {})
-        n = sum(p[-1] for p in parts)
-        if n not in tables:
-            tables[n] = self.k.table(parts)
-        return tables[n]
 
     def gather_chunks(self, k: torch.Tensor, v: torch.Tensor, chunk_ids: torch.Tensor, chunk_size: int,
                       k_out: torch.Tensor, v_out: torch.Tensor) -> None:
