@@ -617,10 +617,11 @@ def figures(stem: str, data: dict, results: dict[str, dict] | None = None) -> It
         yield ""
         yield from grid(["prompt tokens", "method", "level", "step ms", "its roofline ms", "ratio", "kernels / round",
                          "host waits / round", "GPU busy", "tokens/s"], (
-            [name.replace("_yarn", " (YaRN ×4)"), method, level, f"{r[f'{level_key}_ms']:.2f}",
+            [f"{row['prompt_tokens']:,}{' (YaRN ×4)' if name.endswith('_yarn') else ''}", method,
+             "3 (verification)" if method != "ar" and level == "3" else level, f"{r[f'{level_key}_ms']:.2f}",
              f"{row[roof]:.2f}", f"{r[f'{level_key}_over_roofline']:.2f}×", f"{r['kernels_per_round']:.0f}",
              f"{r['host_syncs_per_round']:.1f}", f"{r['gpu_busy_share']:.0%}", f"{r['tokens_per_s']:.0f}"]
-            for name, row in steps.items() if name != "batched" for method in ("ar", "triforce")
+            for name, row in steps.items() if name.startswith("1x") for method in ("ar", "triforce")
             for level, level_key, roof in (("3", "level3", "ar_roofline_ms"), ("2", "level2", "level2_roofline_ms"))
             if (r := row[method]).get(f"{level_key}_ms")))
         if steps.get("batched"):
