@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import hashlib
 import json
 import random
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from bench.common import RESULTS, environment, save
 from core.config import AUTO_GAMMA2
@@ -392,7 +393,7 @@ def simulate(prof: Profile, seeds: int, tokens: int, fixed: bool = True) -> dict
         top = max(rates, key=rates.get)
         best_rate = rates[top]
     out = {"seeds": seeds, "tokens": tokens, "ar_ms_per_token": 1.0 / ar, "assumed": prof.assumed}
-    old = legacy().get(prof.name, {})
+    old = legacy(prof)
     for second in (False, True):
         new = statistics.mean(Book(prof).auto_run(seed, tokens, second) for seed in range(seeds))
         figures = {"auto_over_ar": new / ar}
@@ -407,9 +408,26 @@ def simulate(prof: Profile, seeds: int, tokens: int, fixed: bool = True) -> dict
     return out
 
 
-def legacy() -> dict[str, dict[str, float]]:
-    """The replaced planner's rate over autoregressive decoding by regime (first and second answer), as recorded."""
-    return json.loads((RESULTS.parent / "legacy-planner.json").read_text())["old_over_ar"]
+def legacy(prof: Profile) -> dict[str, float]:
+    """The replaced planner's rate over autoregressive decoding on this regime (first and second answer), as
+    recorded: only where the regime's profile is still the one it was recorded on (a result re-recorded since
+    changes the profile, and that planner's code is gone)."""
+    data = json.loads((RESULTS.parent / "legacy-planner.json").read_text())
+    same = data.get("profiles", {}).get(prof.name) == fingerprint(prof)
+    return data["old_over_ar"].get(prof.name, {}) if same else {}
+
+
+def fingerprint(prof: Profile) -> str:
+    """A digest of everything a profile holds (its figures to 6 significant digits)."""
+    def rounded(x):
+        if isinstance(x, float):
+            return float(f"{x:.6g}")
+        if isinstance(x, dict):
+            return {str(k): rounded(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [rounded(v) for v in x]
+        return x
+    return hashlib.sha256(json.dumps(rounded(asdict(prof)), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def fixed_rate(prof: Profile, h: Hierarchy, seeds: int, tokens: int) -> float:

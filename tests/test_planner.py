@@ -495,10 +495,11 @@ def test_without_a_drafter_and_with_the_whole_prompt_in_budget_no_level_drafts()
 def test_on_every_recorded_regime_auto_is_never_slower_than_autoregressive_nor_than_the_planner_it_replaced(profile):
     """Simulated on each regime bench/results recorded (bench.simulate's seeds, deterministic), on a first answer and
     on one after another answer's luckier acceptances: method auto keeps within 3 % of autoregressive decoding where
-    nothing pays, and of the planner it replaced everywhere (that planner's rates as recorded on the same seeds)."""
+    nothing pays, and of the planner it replaced wherever that planner's rates were recorded on this very profile
+    (the same seeds; a regime re-recorded since has none)."""
     r = simulate(profile, seeds=20, tokens=128, fixed=False)
     for s in (r, r["second_answer"]):
-        assert s["auto_over_ar"] >= 0.97 and s["new_over_old"] >= 0.97, r
+        assert s["auto_over_ar"] >= 0.97 and s.get("new_over_old", 1.0) >= 0.97, r
 
 
 @pytest.mark.parametrize("profile", batch_profiles(), ids=lambda p: p.name)
