@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 
 from app.callbacks import COMPARE_OUTPUTS
+from app.service import RUN_SECONDS_ENV
 from app.presets import CUSTOM, EMBEDDED, preset_by_name
 from bench.common import DOCS, SHAPES, GpuResults, environment, finish, merge_summary, model_source, save, tokenizer_of
 from core import Engine, GenerationConfig
@@ -129,8 +130,14 @@ def click(client, endpoint: str, document: str, preset: str, **settings) -> tupl
 
 def compare(client, document: str, preset: str, **settings) -> dict:
     """One Compare click (autoregressive decoding, TriForce and method auto on the same input and seed); returns its
-    summary (each run's stats, what it ran, the speed-ups over AR)."""
-    return click(client, "/compare", document, preset, **settings)[0][COMPARE_OUTPUTS.index("compare_json")]
+    summary (each run's stats, what it ran, the speed-ups over AR). Raises where a run did not finish (a slow
+    machine's run can outlast the app's time limit: then there is no speed-up to measure)."""
+    summary = click(client, "/compare", document, preset, **settings)[0][COMPARE_OUTPUTS.index("compare_json")]
+    unfinished = [method for method, x in summary.get("speedup", {}).items() if x is None]
+    if unfinished:
+        raise RuntimeError(f"the Compare click's {', '.join(unfinished)} run did not finish: on this machine a run "
+                           f"outlasts the app's limit (set {RUN_SECONDS_ENV} higher for the benchmark's app)")
+    return summary
 
 
 def random_model_dir(shape: str, tokenizer: str, out: Path, context: int = 8192, torch_init: bool = False) -> Path:
