@@ -238,58 +238,54 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 STEP_SINGLE = (30_000, 124_000)  # one request: the real pair's 32K window and the YaRN x4 preset's
 STEP_BATCHED = ((1, 16_000), (2, 16_000), (4, 16_000), (8, 16_000), (1, 30_000), (2, 30_000), (4, 30_000),
                 (8, 30_000))
-YARN_X4 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1000000.0}
 
 
-def decode_window(events: Iterator, requests: int, profiler=None) -> tuple[list, float, int]:
-    """Drain a generation's events (tagged or not): the StepTiming events once every request decodes, the wall
-    seconds of that window, the tokens emitted in it; `profiler` runs over that window alone (not the prefill)."""
+def decode_window(events: Iterator, profiler=None) -> tuple[list, float, int]:
+    """Drain one generation's events: its StepTiming events once its prefill is done, the wall seconds of its
+    decoding, the tokens it emitted; `profiler` runs over the decoding alone (not the prefill)."""
     from core.events import Finished, PrefillProgress, StepTiming, Tokens
-    joined, timings, tokens, t0, t1 = set(), [], 0, None, None
-    for item in events:
-        key, e = (item.key, item.event) if hasattr(item, "event") else ("", item)
-        if isinstance(e, PrefillProgress) and e.done >= e.total:
-            joined.add(key)
-            if len(joined) == requests and t0 is None:
-                _sync()
-                if profiler is not None:
-                    profiler.start()
-                t0 = time.perf_counter()
-        elif t0 is not None and t1 is None and isinstance(e, StepTiming):
+    timings, tokens, t0, t1 = [], 0, None, None
+    for e in events:
+        if isinstance(e, PrefillProgress) and e.done >= e.total and t0 is None:
+            torch.cuda.synchronize()
+            if profiler is not None:
+                profiler.start()
+            t0 = time.perf_counter()
+        elif t0 is not None and isinstance(e, StepTiming):
             timings.append(e)
-        elif t0 is not None and t1 is None and isinstance(e, Tokens):
+        elif t0 is not None and isinstance(e, Tokens):
             tokens += len(e.ids)
-        elif isinstance(e, Finished) and t1 is None and t0 is not None:
-            _sync()
+        elif t0 is not None and isinstance(e, Finished):
+            torch.cuda.synchronize()
             t1 = time.perf_counter()
             if profiler is not None:
                 profiler.stop()
     return timings, (t1 or time.perf_counter()) - (t0 or time.perf_counter()), tokens
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def kernels(events) -> list:
+    """The kernels among a profile's events (not its copies and fills)."""
+    return [e for e in events if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))]
 
 
-def launch_counts(engine, run: Callable[[object], tuple[list, float, int]]) -> dict:
+def launch_counts(run: Callable[[object], tuple[list, float, int]]) -> dict:
     """Kernels launched and host waits per round and per token of a short profiled decode, and the share of its wall
     time the GPU spent in kernels (below 1: the device idled while the host prepared the next step)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     prof = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     timings, wall, tokens = run(prof)
     events = prof.events()
-    kernels = [e for e in events if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))]
+    launched = kernels(events)
     syncs = sum(1 for e in events if e.device_type.name == "CPU" and e.name in SYNC_CALLS)
     rounds = len({t.round for t in timings}) or 1
     per_kernel: Counter = Counter()
-    for e in kernels:
+    for e in launched:
         per_kernel[e.name[:60]] += e.device_time_total
     host: Counter = Counter()
     for e in events:
         if e.device_type.name == "CPU":
             host[e.name[:60]] += e.self_cpu_time_total
-    return {"kernels_per_round": len(kernels) / rounds, "kernels_per_token": len(kernels) / max(tokens, 1),
+    return {"kernels_per_round": len(launched) / rounds, "kernels_per_token": len(launched) / max(tokens, 1),
             "host_syncs_per_round": syncs / rounds, "host_syncs_per_token": syncs / max(tokens, 1),
             "gpu_busy_share": sum(per_kernel.values()) / 1e6 / wall if wall else None, "profiled_rounds": rounds,
             "top_kernels_us_per_round": {k: v / rounds for k, v in per_kernel.most_common(10)},
@@ -297,16 +293,14 @@ def launch_counts(engine, run: Callable[[object], tuple[list, float, int]]) -> d
 
 
 def level_costs(timings: list, roofline: dict) -> dict:
-    """Median level-3 ms per round and level-2 ms per forward of a run, each over its roofline."""
-    out = {}
-    level3 = [t.level3_ms for t in timings]
-    drafting = [t.level2_ms / t.level2_forwards for t in timings if t.level2_forwards]
-    if level3:
-        out["level3_ms"] = statistics.median(level3)
-        out["level3_over_roofline"] = out["level3_ms"] / roofline["ar_roofline_ms"] if roofline else None
-    if drafting:
-        out["level2_ms"] = statistics.median(drafting)
-        out["level2_over_roofline"] = out["level2_ms"] / roofline["level2_roofline_ms"] if roofline else None
+    """Median level-3 ms per round and level-2 ms per forward of a run (bench.batch.round_costs), each over its
+    roofline."""
+    from bench.batch import round_costs
+    costs, out = round_costs(timings), {}
+    for key, ms, roof in (("level3", costs["level3_ms"], "ar_roofline_ms"),
+                          ("level2", costs["level2_step_ms"], "level2_roofline_ms")):
+        if ms is not None:
+            out |= {f"{key}_ms": ms, f"{key}_over_roofline": ms / roofline[roof]}
     out["tokens_per_round"] = statistics.mean(t.tokens for t in timings) if timings else None
     return out
 
@@ -331,9 +325,7 @@ def ragged_step_ms(model, caches: list, ops, reps: int = 20) -> tuple[float, flo
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA"
-                  and not e.name.startswith(("Memcpy", "Memset")))
-    return ms, kernels / 5
+    return ms, len(kernels(prof.events())) / 5
 
 
 def batch_steps(shape: dict, bandwidth: float, budget: int = 4096) -> dict:
@@ -365,48 +357,45 @@ def batch_steps(shape: dict, bandwidth: float, budget: int = 4096) -> dict:
     return out
 
 
-def steps(args: argparse.Namespace, results: GpuResults) -> None:
+def steps_part(args: argparse.Namespace, results: GpuResults) -> None:
     """Step costs of the real target's shape (Qwen2.5-1.5B, random weights: a step's cost does not depend on the
     values): one request at STEP_SINGLE through the engine's own loop, greedy, AR and TriForce (level 2 over the
     retrieval cache, no level 1), with kernels and host waits per round and the GPU's busy share; batched steps at
     STEP_BATCHED (batch_steps); each level's ms per step beside its memory roofline (the bandwidth measured in this
     run)."""
     from bench.batch import prompts, random_engine, rooflines
+    from core.io.presets import YARN_X4
     tok = tokenizer_of(args.tokenizer)
     bandwidth = results.bandwidth()
     new = args.new_tokens
-    out = results.data.setdefault("steps_qwen25_15b", {})
+    out, shape = results.data.setdefault("steps_qwen25_15b", {}), SHAPES["qwen25_15b"]
     for length in STEP_SINGLE:
-        rope = {"rope_parameters": YARN_X4} if length > 32_768 else {}
-        engine = random_engine(tok, length + new + 1024, {**SHAPES["qwen25_15b"], **rope})
+        rope = {"rope_parameters": {**shape["rope_parameters"], **dict(YARN_X4)}} if length > 32_768 else {}
+        engine = random_engine(tok, length + new + 1024, {**shape, **rope})  # the 128K preset's scaling
         ids = prompts(tok, 1, length)[0]
         roof = rooflines(engine, 1, length, engine.settings().resolved(False).budget, bandwidth)
         row = out[f"1x{length // 1000}k{'_yarn' if rope else ''}"] = {"prompt_tokens": length, **roof}
         for method in ("ar", "triforce"):
             def run(profiler, tokens: int = new, method: str = method):
                 cfg = engine.settings(method=method, greedy=True, drafter="none", max_new_tokens=tokens).validate()
-                return decode_window(engine.generate_ids(ids, cfg), 1, profiler)
+                return decode_window(engine.generate_ids(ids, cfg), profiler)
             run(None, 24)  # graphs captured outside the timed runs
             timings, wall, tokens = run(None)
             row[method] = {"tokens_per_s": tokens / wall, **level_costs(timings, roof),
-                           **launch_counts(engine, lambda prof: run(prof, 24))}
+                           **launch_counts(lambda prof: run(prof, 24))}
         row["triforce_over_ar"] = row["triforce"]["tokens_per_s"] / row["ar"]["tokens_per_s"]
         print(length, json.dumps(row), flush=True)
         results.save()
         engine.release()
         del engine
         free()
-    out["batched"] = batch_steps(SHAPES["qwen25_15b"], bandwidth)
+    out["batched"] = batch_steps(shape, bandwidth)
     single, batched = out.get("1x30k", {}), out["batched"]
     results.summary.setdefault("real", {}).update({  # a step's cost does not depend on the weights' values
         "ar_over_roofline_30k": single.get("ar", {}).get("level3_over_roofline"),
         "level2_over_roofline_30k": single.get("triforce", {}).get("level2_over_roofline")})
     results.summary.setdefault("batch", {}).update({
         "real_batch_ar_over_roofline_8x30k": batched.get("8x30k", {}).get("ar_over_roofline")})
-
-
-def steps_part(args: argparse.Namespace, results: GpuResults) -> None:
-    steps(args, results)
 
 
 PARTS = {"profile": profile_part, "profile_small": profile_small_part, "profile_offload": profile_offload_part,

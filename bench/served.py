@@ -62,8 +62,8 @@ from pathlib import Path
 import torch
 
 from app.callbacks import COMPARE_OUTPUTS
-from app.service import RUN_SECONDS_ENV
 from app.presets import CUSTOM, EMBEDDED, preset_by_name
+from app.service import RUN_SECONDS_ENV
 from bench.common import DOCS, SHAPES, GpuResults, environment, finish, merge_summary, model_source, save, tokenizer_of
 from core import Engine, GenerationConfig
 from core.io import load_tokenizer
