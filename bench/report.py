@@ -406,7 +406,7 @@ def headline(results: dict[str, dict]) -> str:
     notes = ["All runs sampled at temperature 0.6 and top-p 0.9. Tokens/s count decoding only, prefill apart; ratio = "
              "the method's tokens/s over AR's (over several prompts or clicks, each column is the mean of theirs). "
              "Level-2 acceptance = the share of the tokens drafted on the small retrieval cache that the model on its "
-             "full cache kept.", *regimes(rows),
+             "full cache kept.", *regimes(rows, results.get("simulate", {})),
              "<a id=\"commands\"></a>Run them from the checkout with `.venv/bin/python`: each writes its result "
              "under `out/`, and with `--record` replaces the file after it (the project's reference figures, which "
              "this table is written from). The Qwen2.5-Coder presets need their files installed first "
@@ -420,8 +420,9 @@ def headline(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def regimes(rows: list[Row]) -> list[str]:
-    """What the offloaded and the random-weight rows do and do not say, with their figures."""
+def regimes(rows: list[Row], simulated: dict) -> list[str]:
+    """What the offloaded and the random-weight rows do and do not say, with their figures, and what the simulator
+    gives the random-weight rows' step costs at a real model's acceptance (bench.simulate's `_at_` regimes)."""
     notes = []
     offloaded = [r for r in rows if r.onchip_ar_tok_s is not None]
     if offloaded:
@@ -438,7 +439,29 @@ def regimes(rows: list[Row]) -> list[str]:
                      f"speed at the acceptance those weights happened to give (level 2: {accepted[0]} to "
                      f"{accepted[-1]}, nearly every draft kept): their ratios ({min(ratios):.2f}× to "
                      f"{max(ratios):.2f}×) hold only at that acceptance, which says nothing of a trained model's.")
+        notes += at_real(simulated)
     return notes
+
+
+def at_real(simulated: dict) -> list[str]:
+    """Method auto at a real model's acceptance on the random rows' step costs, on chip and offloaded, as simulated."""
+    real = {name.split("_at_")[0]: (name.split("_at_")[1], r["auto_over_ar"])
+            for name, r in simulated.get("regimes", {}).items()
+            if name.startswith("random_") and "_at_" in name}
+    onchip = [x for name, (_, x) in real.items() if "onchip" in name]
+    offload = [x for name, (_, x) in real.items() if "offload" in name]
+    if not onchip or not offload:
+        return []
+    alpha = next(iter(real.values()))[0]
+    return [f"At a real model's acceptance (level 2: {alpha}, the real Qwen pair's), the same step costs give method "
+            f"auto {spread(onchip)} on chip and {spread(offload)} offloaded, as the simulator replays them "
+            f"(`python -m bench.simulate`, [method auto](docs/method-auto.md#the-simulator-python--m-benchsimulate))."]
+
+
+def spread(ratios: list[float]) -> str:
+    """One ratio, or the range of several."""
+    lo, hi = min(ratios), max(ratios)
+    return f"{lo:.2f}×" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}× to {hi:.2f}×"
 
 
 def readme(text: str, results: dict[str, dict]) -> str:

@@ -43,6 +43,7 @@ from core.plan import Auto, CostBook, Drafter, Figures, Fixed, Line, Regime, can
 from core.plan.policy import BatchAuto
 
 GAMMA1 = 2  # GenerationConfig's default γ1: auto's longest level-1 draft per level-2 check
+REAL_ALPHA = 0.91  # level 3's acceptance of level 2 on the real Qwen2.5-Coder-1.5B at 8 × 30K (H100, greedy)
 SIGMA = 0.05  # lognormal jitter of a measured step (a few % between two runs of one plan on the H200)
 STALL, STALL_FACTOR = 0.02, 3.0  # a step now and then held up (a GC pause, the other thread), by this factor
 WARM_TOKENS, AR_TOKENS = 64, 32
@@ -131,11 +132,19 @@ def real_profiles() -> list[Profile]:
     return out
 
 
+def at_real_acceptance(prof: Profile) -> Profile:
+    """A random-weight profile's step costs at what a real model's level 2 is accepted, REAL_ALPHA: random weights
+    accept nearly every draft, so their own speed-ups hold only there."""
+    return replace(prof, name=f"{prof.name}_at_{REAL_ALPHA}", a2=REAL_ALPHA,
+                   assumed=[*prof.assumed, f"level 2 accepted {REAL_ALPHA} (the real pair's; random weights "
+                                           f"accepted {prof.a2:.2f}), level 1 as recorded"])
+
+
 def random_profiles() -> list[Profile]:
     """The random 7B shape on-chip at 120K (bench.planner) and the 7B / 8B shapes offloaded at 128K (bench.offload),
     sampled: level 3 by rows from the cost book's sampled regime (offloaded) or the runs' rounds (on-chip), level 2
-    per forward and the acceptances from the fixed TriForce runs' rounds. Random weights: prompt lookup does not
-    draft there (the fixed runs drafted with the draft model)."""
+    per forward and the acceptances from the fixed TriForce runs' rounds; each also at_real_acceptance. Random
+    weights: prompt lookup does not draft there (the fixed runs drafted with the draft model)."""
     out = []
     planner = load("planner-runs-NVIDIA-H200")["runs"]
     tf, ar = planner["triforce sampled"], planner["ar sampled"]
@@ -161,7 +170,7 @@ def random_profiles() -> list[Profile]:
                            tf["level2_acceptance"], 0.5, 1.15, 1.5, True, True, prompt_tokens=tf["prompt_tokens"],
                            assumed=["level 2 beside the pass 15 % slower (the real pair's)", "post 1.5 ms",
                                     "overhead 0.5 ms", "a level-1 token's ms from the run's per-token level-1 time"]))
-    return out
+    return [q for prof in out for q in (prof, at_real_acceptance(prof))]
 
 
 def cpu_profile() -> list[Profile]:
@@ -536,7 +545,6 @@ def replay_traces(seeds: int) -> dict[str, list[dict]]:
 
 
 BATCH_GAMMAS = (1, 2, 3, 4, 6, 8, 12, 16)  # the fixed γ2s a batch is compared with (method triforce, drafter none)
-REAL_ALPHA = 0.91  # level 3's acceptance of level 2 on the real Qwen2.5-Coder-1.5B at 8 × 30K (H100, greedy)
 
 
 @dataclass
