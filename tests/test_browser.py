@@ -279,9 +279,9 @@ def test_stop_always_says_stopped_in_both_tabs_during_prefill_and_decoding(app_u
 
 
 # A second visitor's long prompt read beside a lone visitor's run: the run is told why it slows while it lasts and
-# goes on decoding (its stats after: tests/test_visitors.py). The rate itself (at least 0.7 of alone, by design
-# 1 / (1 + PREFILL_SHARE)) is measured by `python -m bench.served pace`, apart from the suite: a browser's timing on a
-# shared machine is no measure. Bounded: both runs are stopped once that has been seen.
+# goes on decoding, and the second visitor why its prompt is read slowly (their stats after: tests/test_visitors.py).
+# The rate itself (at least 0.7 of alone, by design 1 / (1 + PREFILL_SHARE)) is measured by `python -m bench.served
+# pace`, apart from the suite: a browser's timing on a shared machine is no measure. Bounded: both runs are stopped once that has been seen.
 NEEDLE = "Needle in a haystack (~6K tokens)"
 SLOWER = "slower while the CPU also reads another run's"
 
@@ -310,6 +310,8 @@ def test_a_lone_visitors_run_says_why_it_slows_while_a_second_visitors_long_prom
         first.wait_for_function(SAYS, arg=["#status", "Decoding"], timeout=240_000, polling=50)
         second.click("#run")
         second.wait_for_function(SAYS, arg=["#status", "Prefill"], timeout=60_000, polling=50)
+        # the second visitor is told why its prompt is read slowly: between the first's steps
+        second.wait_for_function(SAYS, arg=["#status", "slower while 1 other run decodes"], timeout=30_000, polling=50)
         first.wait_for_function(SAYS, arg=["#status", SLOWER], timeout=30_000, polling=50)
         status = text(first, "#status")
         chars = first.evaluate(ANSWER_CHARS)

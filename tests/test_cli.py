@@ -150,6 +150,15 @@ def test_batch_file_answers_each_request_as_alone(tmp_path, embedded, capsys):
     assert capsys.readouterr().err.strip() == "error: requests.jsonl line 1: unknown field 'temprature'"
 
 
+def test_a_batch_requests_prefill_line_says_it_is_read_between_others_rounds():
+    log = io.StringIO()
+    progress = Progress(stream=log).run("b")
+    progress.event(PrefillProgress(300, 899, 3.0, 0, decoding_beside=2))
+    progress.event(PrefillProgress(899, 899, 9.0, 0))
+    assert log.getvalue().splitlines() == ["b: prefill 300 / 899 tokens (3.0 s), between the rounds of 2 requests "
+                                           "decoding", "b: prefill 899 / 899 tokens (9.0 s)"]
+
+
 def test_a_batch_answer_in_json_leaves_the_ids_out_unless_asked() -> None:
     stats = Stats(method="ar", new_tokens=2, prompt_tokens=9, dropped_tokens=0, prefill_s=0.1, prefill_reused=False,
                   decode_s=0.2, tokens_per_s=10.0, time_to_first_token_s=0.1, target_forwards=2,

@@ -91,7 +91,9 @@ class Progress:
             self._bar("prefill", f"{prefix}prefill", event.total, event.done)
         elif (tenth := event.done * PREFILL_LINES // max(event.total, 1)) > self.prefill_lines:
             self.prefill_lines = tenth  # (a CPU reports every layer: a line for each would flood a log)
-            self.say(f"{prefix}prefill {event.done:,} / {event.total:,} tokens ({event.seconds:.1f} s)")
+            beside = event.decoding_beside  # (--batch) its prompt read between the rounds of those decoding
+            self.say(f"{prefix}prefill {event.done:,} / {event.total:,} tokens ({event.seconds:.1f} s)" +
+                     (f", between the rounds of {beside} request{'s' if beside > 1 else ''} decoding" if beside else ""))
         if event.done >= event.total:
             self._close()
             if self.count_tokens:  # decoding's clock starts now: a bar made at the first tokens would show a rate
