@@ -211,6 +211,12 @@ def test_a_visitors_run_stop_and_comparison(app_url: str) -> None:
         page.wait_for_function("() => document.querySelector('#document textarea').value.includes('def nucleus')",
                                timeout=30_000)
         page.wait_for_function("() => document.querySelector('#sample input').value === '📄 sampling.py'")
+        # the page names the file and says, once, what the embedded model is worth on a visitor's own document,
+        # Run still in sight
+        page.wait_for_function("() => document.querySelector('#upload-note').innerText.includes('sampling.py')")
+        assert "often wrong about a document of your own" in text(page, "#upload-note")
+        run_bottom = page.evaluate("() => document.querySelector('#run').getBoundingClientRect().bottom + scrollY")
+        assert run_bottom <= SCREEN["height"], run_bottom  # from the page's top
         assert page.evaluate(FITS, "sample")
         assert page.input_value("#instruction textarea") != first.instructions[0]
         assert first.instructions[0] not in text(page, "#examples")
