@@ -15,8 +15,8 @@ from core.config import SEATS
 
 # What a CPU visitor should expect, and why: said up front and beside Compare's figures.
 CPU_NOTE = ("On a CPU, expect TriForce near plain decoding's speed, a little faster greedy and slower sampled: a 135M "
-            "model's step is dominated by reading its weights, which a small cache does not spare. TriForce pays where "
-            "the KV cache dominates a step: large models, long documents, GPUs, a cache offloaded to CPU memory.")
+            "model's step mostly reads its weights, which a small cache does not spare. TriForce pays where the KV "
+            "cache dominates a step: large models, long documents, GPUs, an offloaded cache.")
 
 EXPLANATION = f"""
 ## TriForce in three levels
