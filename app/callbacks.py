@@ -376,7 +376,8 @@ def stopped_compare(sent: Mapping[str, Any]) -> dict[str, Any]:
         _stop(state)
     at = f" during the {SHORT_NAMES[current]} run, {stopped_at(runs[current])}" if current else ""
     stats = {method: live_stats(state) for method, state in runs.items()}
-    return {"compare_status": f"{STOPPED}{at}. {AGAIN}",
+    greedy = (sent.get("compare_json") or {}).get("greedy", False)
+    return {"compare_status": f"{STOPPED}{at}. {AGAIN}", "verdict": comparison_summary(runs, greedy)[0],
             **{f"{method}_stats": stats_markdown(stats[method]) for method in runs},
             "compare_costs": cost_figure(stats["triforce"]["levels"], stats["triforce"]["tokens_per_target_forward"],
                                          stats["ar"]["levels"], empty=COSTS_STOPPED)}
@@ -387,10 +388,13 @@ def comparison_summary(runs: Mapping[str, RunState], greedy: bool) -> tuple[str,
     and (with greedy decoding) whether each run's tokens are the autoregressive run's, as Markdown and as a dict."""
     ar = runs["ar"]
     stats = {method: live_stats(state) for method, state in runs.items()}
-    base = stats["ar"].get("tokens_per_s")
-    speedups = {method: s["tokens_per_s"] / base if base and s.get("tokens_per_s") else None
+    stopped = [method for method, state in runs.items() if stats[method]["stopped"]]  # a rate of its first tokens
+    base = None if "ar" in stopped else stats["ar"].get("tokens_per_s")
+    speedups = {method: s["tokens_per_s"] / base if base and s.get("tokens_per_s") and method not in stopped else None
                 for method, s in stats.items() if method != "ar"}
     parts = [f"{SHORT_NAMES[method]} **{speedup:.2f}×**" for method, speedup in speedups.items() if speedup]
+    parts += [f"{SHORT_NAMES[method]} stopped {stopped_at(runs[method])}" for method in stopped
+              if runs[method].stage != "starting"]  # (a run Stop came before has nothing to say)
     lines = ["### Decode speed against autoregressive: " + (" · ".join(parts) if parts else "—")]
     if speedups.get("auto") and what_ran(runs["auto"]) == "autoregressive throughout":
         lines.append(f"Method auto decoded autoregressively throughout, as the autoregressive run did: its "

@@ -10,13 +10,13 @@ from pathlib import Path
 import gradio as gr
 
 from app.views import PROVENANCE, REJECTED
-from core.batching import PACE_BESIDE_PREFILL
+from core.batching import DEVICE_SHARE_BESIDE_DECODING, PACE_BESIDE_PREFILL
 from core.config import SEATS
 
 # What a CPU visitor should expect, and why: said up front and beside Compare's figures.
-CPU_NOTE = ("On a CPU, expect TriForce to be about as fast as plain decoding, not faster: a 135M model's step is "
-            "dominated by reading its weights, so a step on a small cache saves little. TriForce pays where the KV "
-            "cache dominates a step: large models, long documents, GPUs, a cache offloaded to CPU memory.")
+CPU_NOTE = ("On a CPU, expect TriForce near plain decoding's speed, a little faster greedy and slower sampled: a 135M "
+            "model's step mostly reads its weights, which a small cache does not spare. TriForce pays where the KV "
+            "cache dominates a step: large models, long documents, GPUs, an offloaded cache.")
 
 EXPLANATION = f"""
 ## TriForce in three levels
@@ -56,8 +56,8 @@ drafts for every run (checking each run's level-1 proposals), then one level-3 f
 its projections reading the weights once for every row while each row attends over its own run's caches, so a greedy
 answer is the one the run alone gives. A run that arrives while the batch decodes joins it at a next round (prompts
 are read one at a time, between rounds, on a share of the rounds' time: a run decoding meanwhile keeps about
-{PACE_BESIDE_PREFILL:.0%} of its pace, and its status says so); beyond the seats runs wait in line, first come first served, each told its
-place, and *Stop* ends only your own. In the batch every cache stays on the device and method *auto* plans one draft
+{PACE_BESIDE_PREFILL:.0%} of its pace, the arriving prompt is read in about {DEVICE_SHARE_BESIDE_DECODING:.0%} of the time, and
+both statuses say so); beyond the seats runs wait in line, first come first served, each told its place, and *Stop* ends only your own. In the batch every cache stays on the device and method *auto* plans one draft
 length for all its runs (level 2 drafting alone); a run goes at the batch's pace, so *Compare* says of each run
 whether it had the device to itself. On ZeroGPU, which lends its GPU to one request at a time, runs go one at a
 time.

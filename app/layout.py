@@ -163,7 +163,6 @@ def build_demo() -> gr.Blocks:
                                                      type="filepath", elem_id="upload", scale=0, min_width=100,
                                                      size="md")
                         upload.data_model = UploadPayload
-                        uploaded = gr.Markdown(elem_id="upload-note")
                         document = gr.Textbox(first.read() if first else "", label=DOCUMENT_LABEL,
                                               lines=DOCUMENT_LINES, max_lines=DOCUMENT_LINES, elem_id="document")
                         instruction = gr.Textbox(first_instructions[0], label="Instruction", lines=2,
@@ -176,6 +175,7 @@ def build_demo() -> gr.Blocks:
                                               label="Example instructions", type="values", elem_id="examples")
                         doc_info = gr.Markdown(elem_id="doc-info")
                     with gr.Column(scale=3, min_width=420):
+                        uploaded = gr.Markdown(elem_id="upload-note")  # here, Run stays in view after an upload
                         status = gr.Markdown(READY, elem_id="status")
                         answer = gr.HTML(answer_html(None), label="Answer", elem_id="answer")
                         with gr.Row():

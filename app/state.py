@@ -110,6 +110,7 @@ class RunState:
     prefill_reused: bool = False
     prefill_ended: float | None = None
     prefill_beside: PrefillBeside | None = None  # another run's prompt being prefilled on its device now (batched)
+    decoding_beside: int = 0  # other runs decoding while its own prompt is read between their rounds (batched)
     cache_bytes: int = 0
     retrieval_cache_bytes: int = 0
     budget: int = 0
@@ -278,6 +279,7 @@ def apply_event(state: RunState, event: Event, now: float | None = None) -> RunS
         case PrefillProgress():
             state.prefill_done, state.prefill_total, state.prefill_s = event.done, event.total, event.seconds
             state.prefill_reused, state.cache_bytes = event.reused, event.cache_bytes
+            state.decoding_beside = event.decoding_beside
             if event.done >= event.total:
                 state.prefill_ended, state.stage = now, "decoding"
         case PrefillBeside():

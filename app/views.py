@@ -8,7 +8,7 @@ import html
 import numpy as np
 
 from app.state import Rejection, RunState, live_stats
-from core.batching import PACE_BESIDE_PREFILL
+from core.batching import DEVICE_SHARE_BESIDE_DECODING, PACE_BESIDE_PREFILL
 from core.events import PROVENANCE_LABELS
 
 # Where an answer token came from (core.events.Provenance): its label (core's one vocabulary) and its colour, that of
@@ -395,6 +395,11 @@ def status_markdown(state: RunState) -> str:
     elif state.stage == "prefill":
         share = f"{state.prefill_done / state.prefill_total:.0%} of " if state.prefill_total else ""
         line = f"⏳ Prefill: {share}the {state.prompt_tokens:,}-token prompt ({state.prefill_s:.1f} s)"
+        if state.decoding_beside:  # why it is slow: read between the steps of runs already decoding
+            one = state.decoding_beside == 1
+            line += (f" · slower while {plural(state.decoding_beside, 'other run')} decode{'s' if one else ''}: the "
+                     f"prompt is read between {'its' if one else 'their'} steps, in about "
+                     f"{DEVICE_SHARE_BESIDE_DECODING:.0%} of the time")
     elif state.stage.startswith("loading"):
         line = f"⏳ {state.stage.capitalize()} ({state.load_fraction:.0%})"
     elif state.stage == "decoding":  # before its first token the prefill's last words would read as a stall

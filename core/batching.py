@@ -30,6 +30,7 @@ from core.plan.policy import BatchAuto
 # values are the same), so a piece longer than one round's share is paid for by the rounds after it, which it sits out.
 PREFILL_SHARE = 0.4
 PACE_BESIDE_PREFILL = 1 / (1 + PREFILL_SHARE)  # what a decoding request keeps of its pace while a prefill runs beside
+DEVICE_SHARE_BESIDE_DECODING = PREFILL_SHARE / (1 + PREFILL_SHARE)  # the device's time a prefill gets beside decoding
 
 
 class Host(Protocol):
@@ -238,7 +239,8 @@ class BatchRun:
                 return
             out.append(Tagged(a.request.key, PrefillProgress(done=a.done, total=total,
                                                              seconds=time.perf_counter() - a.clock.started,
-                                                             cache_bytes=a.level.cache.nbytes)))
+                                                             cache_bytes=a.level.cache.nbytes,
+                                                             decoding_beside=len(self.running))))
             if a.done >= total or not self.running or time.perf_counter() - t0 >= self.credit:
                 break
         if self.running:

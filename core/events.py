@@ -60,6 +60,7 @@ class PrefillProgress(Event):
     seconds: float
     cache_bytes: int  # the full KV cache's size
     reused: bool = False  # the previous run's cache already held this prompt
+    decoding_beside: int = 0  # (batched) other requests decoding meanwhile: this prompt is read between their rounds
 
 
 @dataclass

@@ -73,12 +73,13 @@ def finish(footprint: Footprint, cfg: GenerationConfig, out: Output, prompt: Pro
     warmup_s = (graphs.capture_s if graphs is not None else 0.0) - clock.captured
     decode_s = time.perf_counter() - clock.decoding - warmup_s
     n, forwards = len(out.ids), target.forwards - clock.forwards
+    written = n + (out.stop_reason == "eos")  # the end-of-text token a forward wrote is not in the answer, yet counts
     return Stats.of(
         footprint, method=cfg.method, new_tokens=n, prompt_tokens=len(prompt.ids), dropped_tokens=prompt.dropped_tokens,
         prefill_s=clock.prefill_s, prefill_reused=prefill_reused, decode_s=decode_s, warmup_s=warmup_s,
         tokens_per_s=n / decode_s if decode_s > 0 else 0.0,
         time_to_first_token_s=(out.first_token_at or clock.decoding) - clock.started, target_forwards=forwards,
-        tokens_per_target_forward=n / forwards if forwards else 0.0, cache_bytes=target.cache.nbytes,
+        tokens_per_target_forward=written / forwards if forwards else 0.0, cache_bytes=target.cache.nbytes,
         target_weight_bytes=model.step_weight_bytes(), stop_reason=out.stop_reason, device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."), settings=cfg.to_dict(), offloaded=offloaded,
         host_link_bytes=target.cache.moved - clock.moved, shared_with=shared_with, prefills_beside=prefills_beside,

@@ -1035,6 +1035,19 @@ def test_a_stopped_run_says_so_its_stats_hold_still_and_the_cost_panel_stops_wai
     assert frame["compare_status"].startswith("⏹️ Stopped during the autoregressive run, before the first token")
     assert all("| | stopped |" in frame[f"{method}_stats"] for method in COMPARE_METHODS)
     assert callbacks.stopped_compare({})["compare_status"].startswith("⏹️ Stopped.")  # before anything started
+    # stopped during TriForce, the autoregressive run finished: no speed-up from the rate of its first tokens
+    runs = {method: RunState(method=method) for method in COMPARE_METHODS}
+    apply_event(runs["ar"], tokens_event(["A", "B"], ["target"] * 2, 0))
+    apply_event(runs["ar"], Finished("AB", [0, 1], [], Stats(
+        method="ar", new_tokens=2, prompt_tokens=9, dropped_tokens=0, prefill_s=1.0, prefill_reused=False,
+        decode_s=2.0, tokens_per_s=1.0, time_to_first_token_s=1.5, target_forwards=2, tokens_per_target_forward=1.0)))
+    apply_event(runs["triforce"], PromptReady(100, 90, 0, 8192, 64, 8, ["a"] * 13))
+    apply_event(runs["triforce"], tokens_event(["A"], ["level3"], 0))
+    runs["triforce"].prefill_ended -= 1.0  # its first token came fast: live, 2x the autoregressive rate and more
+    assert "TriForce **" in callbacks.comparison_summary(runs, greedy=False)[0]
+    verdict = callbacks.stopped_compare({"compare_state": runs, "compare_json": {"greedy": False}})["verdict"]
+    assert verdict.startswith("### Decode speed against autoregressive: TriForce stopped after 1 token\n"), verdict
+    assert "×" not in verdict.split("\n")[0] and "auto stopped" not in verdict  # auto had not started
 
 
 def test_a_lone_visitor_is_not_told_of_a_batch_and_an_auto_run_that_decoded_as_ar_is_called_noise() -> None:

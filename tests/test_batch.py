@@ -185,7 +185,8 @@ def test_a_request_decoding_beside_a_newcomers_prefill_is_told_while_it_lasts_an
         engine, prompts, monkeypatch):
     """A decoding request's events say when a newcomer's prefill begins beside it (with the prompt's length) and
     when it ends; its Finished stats count that prefill and the seconds it took of its decoding, so they never say
-    it ran alone. The newcomer, which nothing prefilled beside, hears nothing of the kind."""
+    it ran alone. The newcomer, which nothing prefilled beside, hears nothing of the kind; its prefill's progress says
+    how many requests decode meanwhile (the first's, with nothing decoding, none)."""
     monkeypatch.setattr(core.batching.BatchRun, "round_s", property(lambda self: 1e-3, lambda self, v: None),
                         raising=False)  # rounds allowing a piece of prefill every few rounds
     cfg = GenerationConfig(**{**BASE, "method": "ar", "greedy": True, "prefill_chunk": 64}).validate()
@@ -193,16 +194,20 @@ def test_a_request_decoding_beside_a_newcomers_prefill_is_told_while_it_lasts_an
     run.submit(Request("first", ids=prompts[0], config=dataclasses.replace(cfg, max_new_tokens=200)))  # outlasts it
     run.submit(Request("newcomer", ids=prompts[3], config=cfg))
     told: dict[str, list[int]] = {"first": [], "newcomer": []}
+    decoding_beside: dict[str, set[int]] = {"first": set(), "newcomer": set()}
     stats = {}
     with torch.no_grad():
         while run.busy:
             for t in run.step():
-                if isinstance(t.event, PrefillBeside):
+                if isinstance(t.event, PrefillProgress):
+                    decoding_beside[t.key].add(t.event.decoding_beside)
+                elif isinstance(t.event, PrefillBeside):
                     told[t.key].append(t.event.prompt_tokens)
                     assert t.event.device == "cpu"
                 elif isinstance(t.event, Finished):
                     stats[t.key] = t.event.stats
     assert told == {"first": [len(prompts[3]), 0], "newcomer": []}
+    assert decoding_beside == {"first": {0}, "newcomer": {1}}
     assert stats["first"].prefills_beside == 1 and stats["first"].prefill_beside_s > 0
     assert stats["first"].shared_with == 1  # and it decoded beside the newcomer once it joined
     assert stats["newcomer"].prefills_beside == 0 and stats["newcomer"].prefill_beside_s == 0

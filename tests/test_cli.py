@@ -1,6 +1,7 @@
 """The command line: JSON output, compare with its equality check, one-line refusals, the model preset's settings
 taken unless a flag is given, progress on stderr."""
 
+import dataclasses
 import io
 import json
 import os
@@ -10,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from core.cli.main import _batch_answer, main
+from core.cli.main import _batch_answer, _stats_line, main
 from core.events import Finished, Loading, PlanChosen, PrefillProgress, PromptReady, Stats, Tokens
 from core.cli.progress import Progress
 
@@ -148,6 +149,48 @@ def test_batch_file_answers_each_request_as_alone(tmp_path, embedded, capsys):
     batch.write_text('{"id": "x", "doc": "doc.txt", "prompt": "?", "temprature": 1}\n')
     assert main(["generate", "--batch", str(batch)]) == 2
     assert capsys.readouterr().err.strip() == "error: requests.jsonl line 1: unknown field 'temprature'"
+
+
+def test_plans_chosen_while_the_answer_streams_to_the_same_place_come_after_it_not_inside_it():
+    screen = Terminal()  # stdout and stderr on one terminal
+    progress = Progress(stream=screen).run("", count_tokens=False)
+    progress.streams_answer(screen)
+    progress.event(PlanChosen(0, "levels 1 → 2 → 3", "measuring what each level costs", "", False, 0, 0))
+    for round_, texts in enumerate((["The", " dog"], [" sat", "."])):
+        if round_:
+            progress.event(PlanChosen(round_, "autoregressive", "measuring an autoregressive step", "", False, 0, 0))
+        progress.event(Tokens([1, 2], texts, ["target"] * 2, round_))
+        screen.write("".join(texts))  # as core.cli.main._run streams it
+    progress.event(Finished("The dog sat.", [1] * 4, [], Stats(
+        method="auto", new_tokens=4, prompt_tokens=9, dropped_tokens=0, prefill_s=0.1, prefill_reused=False,
+        decode_s=0.2, tokens_per_s=20.0, time_to_first_token_s=0.2, target_forwards=4, tokens_per_target_forward=1.0)))
+    assert screen.getvalue() == ("method auto from round 0: levels 1 → 2 → 3 (measuring what each level costs)\n"
+                                 "The dog sat.\nmethod auto from round 1: autoregressive (measuring an autoregressive "
+                                 "step)\n")
+    apart = io.StringIO()  # the answer elsewhere (stdout to a file): the lines come as they are said
+    progress = Progress(stream=apart).run("", count_tokens=False)
+    progress.streams_answer(io.StringIO())
+    progress.event(Tokens([1], ["The"], ["target"], 0))
+    progress.event(PlanChosen(1, "autoregressive", "measuring an autoregressive step", "", False, 0, 0))
+    assert apart.getvalue() == "method auto from round 1: autoregressive (measuring an autoregressive step)\n"
+
+
+def test_the_stats_line_gives_acceptance_only_for_levels_whose_drafts_were_checked():
+    stats = Stats(method="auto", new_tokens=10, prompt_tokens=47, dropped_tokens=0, prefill_s=0.5, prefill_reused=False,
+                  decode_s=1.0, tokens_per_s=10.0, time_to_first_token_s=0.6, target_forwards=11,
+                  tokens_per_target_forward=1.0, plans=["autoregressive"])
+    assert "acceptance" not in _stats_line(stats)  # auto decoding autoregressively throughout: nothing was drafted
+    stats = dataclasses.replace(stats, level1_proposed=4, level1_verified=4, level1_accepted=3)
+    assert ", acceptance L1 0.75;" in _stats_line(stats)
+
+
+def test_a_batch_requests_prefill_line_says_it_is_read_between_others_rounds():
+    log = io.StringIO()
+    progress = Progress(stream=log).run("b")
+    progress.event(PrefillProgress(300, 899, 3.0, 0, decoding_beside=2))
+    progress.event(PrefillProgress(899, 899, 9.0, 0))
+    assert log.getvalue().splitlines() == ["b: prefill 300 / 899 tokens (3.0 s), between the rounds of 2 requests "
+                                           "decoding", "b: prefill 899 / 899 tokens (9.0 s)"]
 
 
 def test_a_batch_answer_in_json_leaves_the_ids_out_unless_asked() -> None:

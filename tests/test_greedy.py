@@ -72,6 +72,17 @@ def hf_greedy(hf_model, prompt_ids: list[int], new: int, cfg: GenerationConfig) 
     return out[0, len(prompt_ids):].tolist()
 
 
+def test_a_run_ending_at_its_end_of_text_counts_the_forward_that_wrote_it(embedded):
+    """The forward that wrote the end-of-text token counts its token: autoregressive decoding reads 1.00 tokens a
+    forward, never 0.9, and method auto (here drafting a round, then autoregressive) never below it."""
+    doc, question = "The dog sat on the log by the river.", "Where did the dog sit?"
+    ar, _ = run(embedded, doc, question, method="ar", max_new_tokens=64)
+    assert ar.stats.stop_reason == "eos" and ar.stats.target_forwards == len(ar.token_ids) + 1
+    assert ar.stats.tokens_per_target_forward == 1.0
+    auto, _ = run(embedded, doc, question, method="auto", max_new_tokens=64)
+    assert auto.token_ids == ar.token_ids and auto.stats.tokens_per_target_forward >= 1.0
+
+
 @pytest.mark.parametrize("name,instruction,new", CASES)
 def test_greedy_triforce_equals_ar_and_transformers(engine, hf_model, name, instruction, new):
     doc = (DOCS / name).read_text()

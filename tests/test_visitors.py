@@ -97,6 +97,24 @@ def test_a_run_that_decoded_beside_another_runs_prefill_says_why_it_slowed_and_n
     assert prefill_words(3, 2.0, "cuda:0") == "the GPU also read 3 other runs' prompts, 2.0 s of its decoding"
 
 
+def test_a_prompt_read_between_other_runs_steps_says_why_its_prefill_is_slow() -> None:
+    from app.state import apply_event
+    from app.views import status_markdown
+    from core.batching import DEVICE_SHARE_BESIDE_DECODING
+    from core.events import PrefillProgress
+
+    state = RunState(method="triforce", batched=True)
+    state.stage, state.prompt_tokens = "prefill", 6087
+    apply_event(state, PrefillProgress(609, 6086, 4.7, 0, decoding_beside=1))
+    assert status_markdown(state) == ("⏳ Prefill: 10% of the 6,087-token prompt (4.7 s) · slower while 1 other run "
+                                      "decodes: the prompt is read between its steps, in about "
+                                      f"{DEVICE_SHARE_BESIDE_DECODING:.0%} of the time")
+    apply_event(state, PrefillProgress(1217, 6086, 9.0, 0, decoding_beside=2))
+    assert "slower while 2 other runs decode: the prompt is read between their steps" in status_markdown(state)
+    apply_event(state, PrefillProgress(1826, 6086, 9.5, 0))  # they finished: it has the device to itself
+    assert status_markdown(state) == "⏳ Prefill: 30% of the 6,087-token prompt (9.5 s)"
+
+
 def test_raw_stats_files_are_kept_for_every_run_that_can_finish_together_and_no_other_file_is_touched(
         tmp_path: Path, monkeypatch) -> None:
     """Each run's file has a name of its own; the newest RAW_FILES_KEPT of this process's are kept, at least as many

@@ -128,6 +128,8 @@ def _run(engine: Engine, document: str, args, cfg: GenerationConfig, show: bool,
     events = engine.generate(document, args.prompt, cfg)
     if note:
         progress.say(note)
+    if show:
+        progress.streams_answer(sys.stdout)
     for event in events:
         progress.event(event)
         if show and isinstance(event, Tokens):
@@ -145,8 +147,11 @@ def _stats_line(s: Stats) -> str:
     line = (f"{s.method}: {s.new_tokens} tokens, {s.tokens_per_s:.2f} tok/s, prefill {s.prefill_s:.1f}s "
             f"({s.prompt_tokens} prompt tokens, {s.dropped_tokens} dropped), {s.tokens_per_target_forward:.2f} "
             "tokens/target forward")
-    if METHODS[s.method].drafts:
-        line += f", acceptance L1 {s.level1_acceptance:.2f} L2 {s.level2_acceptance:.2f}"
+    checked = [f"L{level} {rate:.2f}" for level, verified, rate in ((1, s.level1_verified, s.level1_acceptance),
+                                                                     (2, s.level2_verified, s.level2_acceptance))
+               if verified]  # a level that drafted nothing has no acceptance (auto decoding autoregressively)
+    if METHODS[s.method].drafts and checked:
+        line += f", acceptance {' '.join(checked)}"
     if s.ahead_made:
         line += f", {s.ahead_made} level-2 drafts made ahead ({s.ahead_kept} used)"
     if s.prefills_beside:  # a batch's: its rounds waited for other requests' prefill

@@ -5,6 +5,7 @@ is a plain line. Also the answer's colours on a terminal and their legend, in co
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -34,10 +35,15 @@ class Progress:
         self.bars: dict[str, tqdm] = {}
         self.count_tokens, self.tokens, self.max_new_tokens = True, 0, 0
         self.prefill_lines = 0  # off a terminal: the PREFILL_LINES-ths of the prompt a line has said are done
+        self.answer: TextIO | None = None  # where the answer streams, when that is where these lines go too
+        self.held: list[str] = []  # lines said while the answer streams there: after it, never inside it
 
     def say(self, line: str) -> None:
-        """One line, above any bar."""
+        """One line, above any bar; while the answer streams to the same place, held until it ends."""
         if self.quiet:
+            return
+        if self.answer is not None and self.tokens:
+            self.held.append(line)
             return
         if self.bars:
             tqdm.write(line, file=self.stream)
@@ -55,6 +61,15 @@ class Progress:
             self.say("loading the level-1 draft model")
         else:
             self.say(f"models ready in {time.monotonic() - self.started:.1f} s")
+
+    def streams_answer(self, answer: TextIO) -> None:
+        """The answer streams to `answer`: where that is where these lines go (a terminal, or one log for both), the
+        lines said once it has begun (the plans method auto changes to) wait until it ends."""
+        try:
+            same = os.path.samestat(os.fstat(answer.fileno()), os.fstat(self.stream.fileno()))
+        except (AttributeError, OSError, ValueError):  # a stream with no file behind it
+            same = answer is self.stream
+        self.answer = answer if same else None
 
     def run(self, label: str, count_tokens: bool = True) -> "Progress":
         """Start a run's lines: `label` in front of them, a decoding bar on a terminal when `count_tokens` (off when
@@ -78,11 +93,15 @@ class Progress:
             self._prefill(prefix, event)
         elif isinstance(event, PlanChosen):
             self.say(f"{prefix}method auto from round {event.round}: {event.plan} ({event.reason})")
-        elif isinstance(event, Tokens) and event.ids and self.count_tokens:
+        elif isinstance(event, Tokens) and event.ids:
             self.tokens += len(event.ids)
-            self._bar("decode", f"{prefix}decoding", self.max_new_tokens, self.tokens)
+            if self.count_tokens:
+                self._bar("decode", f"{prefix}decoding", self.max_new_tokens, self.tokens)
         elif isinstance(event, Finished):
             self._close()
+            held, self.held, self.answer = self.held, [], None
+            if held:  # below the answer, which ends without a line break
+                print("\n" + "\n".join(held), file=self.stream, flush=True)
 
     def _prefill(self, prefix: str, event: PrefillProgress) -> None:
         if event.reused:
@@ -91,7 +110,9 @@ class Progress:
             self._bar("prefill", f"{prefix}prefill", event.total, event.done)
         elif (tenth := event.done * PREFILL_LINES // max(event.total, 1)) > self.prefill_lines:
             self.prefill_lines = tenth  # (a CPU reports every layer: a line for each would flood a log)
-            self.say(f"{prefix}prefill {event.done:,} / {event.total:,} tokens ({event.seconds:.1f} s)")
+            beside = event.decoding_beside  # (--batch) its prompt read between the rounds of those decoding
+            self.say(f"{prefix}prefill {event.done:,} / {event.total:,} tokens ({event.seconds:.1f} s)" +
+                     (f", between the rounds of {beside} request{'s' if beside > 1 else ''} decoding" if beside else ""))
         if event.done >= event.total:
             self._close()
             if self.count_tokens:  # decoding's clock starts now: a bar made at the first tokens would show a rate
