@@ -30,7 +30,7 @@ def level2_words(step_ms: float, full_ms: float, of: str = "", beside: str = "")
     share above 100 % reads as nonsense). `of`: what the step feeds; `beside`: a note on the share."""
     if step_ms >= full_ms:
         return (f"level 2 saves nothing here: a step{of} took {step_ms:.3g} ms against {full_ms:.3g} ms for a full "
-                "one (its fixed costs outweigh the cache it skips)")
+                "one (it reads the same weights; the cache it skips saved less than these measurements vary)")
     return f"a level-2 step{of} costs {step_ms / full_ms:.0%} of a full one{beside}"
 
 
