@@ -406,7 +406,8 @@ def headline(results: dict[str, dict]) -> str:
     notes = ["All runs sampled at temperature 0.6 and top-p 0.9. Tokens/s count decoding only, prefill apart; ratio = "
              "the method's tokens/s over AR's (over several prompts or clicks, each column is the mean of theirs). "
              "Level-2 acceptance = the share of the tokens drafted on the small retrieval cache that the model on its "
-             "full cache kept.", *app_noise(results.get("served-planner-cpu")), *regimes(rows, results.get("simulate", {})),
+             "full cache kept.", *app_noise(results.get("served-planner-cpu")),
+             *regimes(rows, results.get("simulate", {})),
              "<a id=\"commands\"></a>Run them from the checkout with `.venv/bin/python`: each writes its result "
              "under `out/`, and with `--record` replaces the file after it (the project's reference figures, which "
              "this table is written from). The Qwen2.5-Coder presets need their files installed first "
@@ -428,9 +429,9 @@ def app_noise(data: dict | None) -> list[str]:
     runs = [r for name, r in data["runs"].items() if name.startswith("sampled")]
     choices = data.get("summary", {}).get("choices", {})
     plain = sum(1 for name, plans in choices.items() if "sampled" in name and set(plans) == {"autoregressive"})
-    ar = [r["ar_tokens_per_s"] for r in runs]
     if not plain:
         return []
+    ar = [r["ar_tokens_per_s"] for r in runs]
     others = " and drafted in some rounds of the others" if plain < len(runs) else ""
     return [f"In the app on the CPU, method auto decoded autoregressively throughout {plain} of its {len(runs)} sampled "
             f"clicks{others}, so its row's ratio is mostly the machine's run-to-run noise: AR itself ran at "
